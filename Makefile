@@ -1,0 +1,59 @@
+# Every target that runs project code first runs scripts/setup.sh (fast when already set up), so
+# `make demo` and `make test` work on a fresh machine.
+VENV   := .venv
+BIN    := $(VENV)/bin
+PYTHON := $(BIN)/python
+
+export MC_LOG_LEVEL ?= WARNING
+export NO_MKDOCS_2_WARNING ?= 1
+
+.DEFAULT_GOAL := help
+.PHONY: help setup demo test lint format typecheck docs docs-serve bench interop clean
+
+help:
+	@echo "make setup    create .venv, install Debian libraries and pip packages (idempotent)"
+	@echo "make demo     run the demo: one prefill -> decode KV-cache transfer on this machine"
+	@echo "make test     ruff + mypy + mkdocs --strict + pytest (what CI runs)"
+	@echo "make lint     ruff + mypy"
+	@echo "make format   ruff format + ruff check --fix"
+	@echo "make docs     build the documentation into site/"
+	@echo "make bench    run the benchmarks"
+	@echo "make interop  tests against SGLang (needs the SGLang venv)"
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	$(PYTHON) -m aiotransfer demo
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/mkdocs build --strict --quiet
+	$(BIN)/pytest -q
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+format: setup
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+typecheck: setup
+	$(BIN)/mypy
+
+docs: setup
+	$(BIN)/mkdocs build --strict
+
+docs-serve: setup
+	$(BIN)/mkdocs serve
+
+bench: setup
+	$(PYTHON) -m aiotransfer bench
+
+interop: setup
+	$(BIN)/pytest -q -m interop
+
+clean:
+	rm -rf site build dist .pytest_cache .mypy_cache .ruff_cache .hypothesis

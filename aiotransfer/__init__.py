@@ -1,0 +1,53 @@
+"""aiotransfer: asyncio-native KV-cache transfer for prefill/decode disaggregation.
+
+The public surface is re-exported here; everything in underscore modules is internal.
+"""
+
+from __future__ import annotations
+
+from .args import Buffer as Buffer
+from .args import KVArgs as KVArgs
+from .config import AuxPath as AuxPath
+from .config import TransferConfig as TransferConfig
+from .errors import AiotransferError as AiotransferError
+from .errors import ClosedError as ClosedError
+from .errors import ConfigError as ConfigError
+from .errors import EngineError as EngineError
+from .errors import EngineUnavailable as EngineUnavailable
+from .errors import IncompatiblePeer as IncompatiblePeer
+from .errors import InvalidArgument as InvalidArgument
+from .errors import PeerError as PeerError
+from .errors import ProtocolError as ProtocolError
+from .errors import TransferFailed as TransferFailed
+from .errors import TransferTimeout as TransferTimeout
+from .manager import KVManager as KVManager
+from .receiver import KVReceiver as KVReceiver
+from .sender import KVSender as KVSender
+from .status import KVPoll as KVPoll
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # core
+    "KVArgs",
+    "KVManager",
+    "KVPoll",
+    "KVReceiver",
+    "KVSender",
+    "Buffer",
+    # configuration
+    "AuxPath",
+    "TransferConfig",
+    # errors
+    "AiotransferError",
+    "ClosedError",
+    "ConfigError",
+    "EngineError",
+    "EngineUnavailable",
+    "IncompatiblePeer",
+    "InvalidArgument",
+    "PeerError",
+    "ProtocolError",
+    "TransferFailed",
+    "TransferTimeout",
+]

@@ -1,0 +1,332 @@
+"""The async poll loop: owns every in-flight engine handle and turns it into an awaitable.
+
+* POLL handles (cheap non-blocking ``check``) are polled from the event loop: yielding (``sleep(0)``)
+  right after progress, then backing off to timed sleeps while nothing completes, idle when empty.
+* BLOCK handles (only a blocking ``wait``) go to one waiter thread per peer, which calls ``wait`` exactly
+  once per handle and resolves the future with ``call_soon_threadsafe``. A hung peer stalls only its own
+  waiter; transfers to other peers keep flowing.
+* Entries in flight are capped per peer (engines reject or stall beyond a queue limit); callers wait for
+  credit instead of being rejected.
+* A cancelled or timed-out ``write`` returns promptly, but its handles stay registered until the engine
+  reports a terminal state: the memory they reference stays pinned (see :attr:`Poller.pinned`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from ._offload import Offloader
+from .engines.base import EngineStatus, TransferEngine, TransferHandle, WaitMode
+from .errors import ClosedError, EngineError, TransferTimeout
+from .plan import Blocks, split_blocks
+
+__all__ = ["Poller"]
+
+log = logging.getLogger("aiotransfer.poller")
+
+_SPIN_WINDOW = 0.0003
+"""Seconds after the last progress during which the loop only yields (sleep(0)) between polls."""
+
+
+class _Credits:
+    """Per-peer entry credits: ``acquire(n)`` waits until ``used + n <= cap``."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.used = 0
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    async def acquire(self, n: int) -> None:
+        n = min(n, self.cap)
+        if not self._waiters and self.used + n <= self.cap:
+            self.used += n
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((n, fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release(n)  # granted just as we were cancelled
+            else:
+                self._waiters.remove((n, fut))
+            raise
+
+    def release(self, n: int) -> None:
+        self.used -= min(n, self.cap)
+        while self._waiters:
+            want, fut = self._waiters[0]
+            if fut.done():
+                self._waiters.popleft()
+                continue
+            if self.used + want > self.cap:
+                break
+            self._waiters.popleft()
+            self.used += want
+            fut.set_result(None)
+
+
+class _Waiter(threading.Thread):
+    """Blocking waits for one peer, in submission order, each handle exactly once."""
+
+    def __init__(self, engine: TransferEngine, peer: str, deliver: Callable[[TransferHandle], None]) -> None:
+        super().__init__(name=f"aiotransfer-wait-{peer}", daemon=True)
+        self.engine = engine
+        self.deliver = deliver
+        self.queue: queue.SimpleQueue[TransferHandle | None] = queue.SimpleQueue()
+
+    def run(self) -> None:
+        while True:
+            handle = self.queue.get()
+            if handle is None:
+                return
+            try:
+                self.engine.wait(handle, 0.0)
+            except Exception as exc:
+                if not handle.consumed:
+                    handle.finish(EngineStatus.FAILED, f"engine wait raised {exc!r}")
+            self.deliver(handle)
+
+
+class Poller:
+    """Owns in-flight handles of one engine; see the module docstring."""
+
+    def __init__(
+        self,
+        engine: TransferEngine,
+        offloader: Offloader,
+        *,
+        max_in_flight: int,
+        max_batch: int,
+        interval_min: float,
+        interval_max: float,
+        inline_submit_max: int = 1,
+    ) -> None:
+        self.engine = engine
+        self.offloader = offloader
+        self.max_in_flight = max_in_flight
+        self.max_batch = max_batch
+        self.interval_min = interval_min
+        self.interval_max = interval_max
+        self.inline_submit_max = inline_submit_max
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._polled: dict[TransferHandle, asyncio.Future[None]] = {}
+        self._blocking: dict[TransferHandle, asyncio.Future[None]] = {}
+        self._credits: dict[str, _Credits] = {}
+        self._waiters: dict[str, _Waiter] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.pinned_bytes = 0
+        self.completed = 0
+        self.failed = 0
+
+    # -- public ---------------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        return len(self._polled) + len(self._blocking)
+
+    @property
+    def pinned(self) -> int:
+        """Handles still owned by the engine (including those whose awaiter gave up)."""
+        return self.in_flight
+
+    async def write(self, peer: str, blocks: Blocks, *, timeout: float | None) -> None:
+        """Write ``blocks`` to ``peer``; returns when every entry landed, raises on failure/timeout."""
+        if self._closed:
+            raise ClosedError("poller is closed")
+        if len(blocks) == 0:
+            return
+        self._ensure_started()
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        futures: list[asyncio.Future[None]] = []
+        ok = False
+        try:
+            credits = self._credits.get(peer)
+            if credits is None:
+                credits = self._credits[peer] = _Credits(self.max_in_flight)
+            for piece in split_blocks(blocks, self.max_batch):
+                await _bounded(credits.acquire(len(piece)), deadline, loop, "waiting for engine credit")
+                try:
+                    handle = await self._submit(peer, piece, deadline, loop)
+                except BaseException:
+                    credits.release(len(piece))
+                    raise
+                futures.append(self._track(handle))
+                failed = next((f for f in futures if f.done() and f.exception() is not None), None)
+                if failed is not None:
+                    raise failed.exception()  # type: ignore[misc]
+            await _bounded(_gather_first_error(futures), deadline, loop, "engine transfer")
+            ok = True
+        finally:
+            if not ok:
+                for f in futures:
+                    f.add_done_callback(_swallow)
+
+    async def aclose(self, timeout: float) -> int:
+        """Stop accepting work, wait up to ``timeout`` for in-flight handles; returns how many remain."""
+        self._closed = True
+        if self.in_flight:
+            self._idle.clear()
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout)
+            except asyncio.TimeoutError:
+                log.warning("%d engine transfers still in flight at close; their memory stays pinned", self.in_flight)
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for waiter in self._waiters.values():
+            waiter.queue.put(None)
+        return self.in_flight
+
+    # -- internals ------------------------------------------------------------------------------
+    def _ensure_started(self) -> None:
+        if self._task is None or self._task.done():
+            self._loop = asyncio.get_running_loop()
+            self._task = self._loop.create_task(self._poll_loop(), name="aiotransfer-poller")
+
+    async def _submit(
+        self, peer: str, piece: Blocks, deadline: float | None, loop: asyncio.AbstractEventLoop
+    ) -> TransferHandle:
+        if len(piece) <= self.inline_submit_max:
+            return self.engine.submit_write(peer, piece)
+        cfut = self.offloader.submit(self.engine.submit_write, peer, piece)
+        afut = asyncio.wrap_future(cfut, loop=loop)
+        try:
+            handle: TransferHandle = await _bounded(asyncio.shield(afut), deadline, loop, "engine submit")
+            return handle
+        except BaseException:
+            # Abandoned: if the submit still produces a handle, adopt it so it is polled to completion.
+            cfut.add_done_callback(lambda f: self._adopt_later(f, loop))
+            raise
+
+    def _adopt_later(self, f: concurrent.futures.Future[TransferHandle], loop: asyncio.AbstractEventLoop) -> None:
+        if f.cancelled() or f.exception() is not None:
+            return
+        handle = f.result()
+
+        def adopt() -> None:
+            self._track(handle).add_done_callback(_swallow)
+
+        try:
+            loop.call_soon_threadsafe(adopt)
+        except RuntimeError:
+            log.warning("event loop closed; abandoned transfer %r left to the engine", handle)
+
+    def _track(self, handle: TransferHandle) -> asyncio.Future[None]:
+        assert self._loop is not None
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self.pinned_bytes += handle.nbytes
+        self._idle.clear()
+        if handle.mode is WaitMode.POLL:
+            self._polled[handle] = fut
+            self._wake.set()
+        else:
+            self._blocking[handle] = fut
+            waiter = self._waiters.get(handle.peer)
+            if waiter is None or not waiter.is_alive():
+                waiter = self._waiters[handle.peer] = _Waiter(self.engine, handle.peer, self._deliver_threadsafe)
+                waiter.start()
+            waiter.queue.put(handle)
+        return fut
+
+    def _deliver_threadsafe(self, handle: TransferHandle) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._finish, handle)
+        except RuntimeError:
+            pass
+
+    def _finish(self, handle: TransferHandle) -> None:
+        fut = self._polled.pop(handle, None) or self._blocking.pop(handle, None)
+        if fut is None:
+            return
+        self.pinned_bytes -= handle.nbytes
+        credits = self._credits.get(handle.peer)
+        if credits is not None:
+            credits.release(handle.entries)
+        if handle.status is EngineStatus.DONE:
+            self.completed += 1
+            if not fut.done():
+                fut.set_result(None)
+        else:
+            self.failed += 1
+            if not fut.done():
+                fut.set_exception(EngineError(handle.error or "engine transfer failed"))
+        if not self._polled and not self._blocking:
+            self._idle.set()
+
+    async def _poll_loop(self) -> None:
+        interval = self.interval_min
+        last_progress = time.perf_counter()
+        check = self.engine.check
+        while True:
+            if not self._polled:
+                self._wake.clear()
+                await self._wake.wait()
+                last_progress = time.perf_counter()
+                interval = self.interval_min
+                continue
+            progressed = False
+            for handle in list(self._polled):
+                try:
+                    status = check(handle)
+                except Exception as exc:
+                    if not handle.consumed:
+                        handle.finish(EngineStatus.FAILED, f"engine check raised {exc!r}")
+                    status = EngineStatus.FAILED
+                if status.is_terminal:
+                    self._finish(handle)
+                    progressed = True
+            now = time.perf_counter()
+            if progressed:
+                last_progress = now
+                interval = self.interval_min
+            if now - last_progress < _SPIN_WINDOW:
+                await asyncio.sleep(0)
+            else:
+                await asyncio.sleep(interval)
+                interval = min(interval * 2, self.interval_max)
+
+
+async def _gather_first_error(futures: list[asyncio.Future[None]]) -> None:
+    pending = set(futures)
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+        for f in done:
+            exc = f.exception()
+            if exc is not None:
+                raise exc
+
+
+async def _bounded(
+    aw: Any, deadline: float | None, loop: asyncio.AbstractEventLoop, what: str
+) -> Any:
+    if deadline is None:
+        return await aw
+    remaining = deadline - loop.time()
+    try:
+        return await asyncio.wait_for(aw, max(remaining, 0.0))
+    except asyncio.TimeoutError:
+        raise TransferTimeout(f"{what} exceeded its deadline") from None
+
+
+def _swallow(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()

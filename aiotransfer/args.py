@@ -1,0 +1,161 @@
+"""``KVArgs``: the memory one rank offers for transfer (KV pages, aux slots, state slots).
+
+A buffer may be a torch tensor, a NumPy array, or a raw ``(ptr, nbytes)`` pair. Each buffer has an
+item length: bytes per page (KV, paged state) or per request slot (aux, Mamba state). For arrays and
+tensors the item length defaults to ``nbytes // shape[0]`` (first dimension = pages / slots).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import InvalidArgument
+
+__all__ = ["Buffer", "KVArgs", "resolve_buffer"]
+
+BufferLike = Any
+"""A torch tensor, a NumPy array, or ``(ptr, nbytes)``."""
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A resolved buffer: address, size, item length, and the object that keeps the memory alive."""
+
+    ptr: int
+    nbytes: int
+    item_len: int
+    device: str = "cpu"
+    layer_id: int = -1
+    owner: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def num_items(self) -> int:
+        return self.nbytes // self.item_len
+
+
+def _describe(obj: Any) -> tuple[int, int, int | None, str]:
+    """(ptr, nbytes, first-dim length or None, device) of a tensor / array / (ptr, nbytes)."""
+    if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(v, int) for v in obj):
+        return obj[0], obj[1], None, "cpu"
+    if hasattr(obj, "data_ptr") and hasattr(obj, "element_size"):  # torch.Tensor, without importing torch
+        if not obj.is_contiguous():
+            raise InvalidArgument("tensor buffers must be contiguous (call .contiguous() first)")
+        device = str(obj.device)
+        first = int(obj.shape[0]) if obj.dim() > 0 else None
+        return int(obj.data_ptr()), int(obj.numel() * obj.element_size()), first, device
+    if hasattr(obj, "ctypes") and hasattr(obj, "flags"):  # numpy.ndarray
+        if not obj.flags.c_contiguous:
+            raise InvalidArgument("array buffers must be C-contiguous (np.ascontiguousarray)")
+        if not obj.flags.writeable:
+            raise InvalidArgument("array buffers must be writeable")
+        first = int(obj.shape[0]) if obj.ndim > 0 else None
+        return int(obj.ctypes.data), int(obj.nbytes), first, "cpu"
+    raise InvalidArgument(
+        f"unsupported buffer {type(obj).__name__}: give a torch tensor, a NumPy array or (ptr, nbytes)"
+    )
+
+
+def resolve_buffer(obj: BufferLike, item_len: int | None, *, what: str, layer_id: int = -1) -> Buffer:
+    ptr, nbytes, first, device = _describe(obj)
+    if item_len is None:
+        if not first:
+            raise InvalidArgument(f"{what}: give its item length (bytes per page/slot) for a raw pointer")
+        item_len = nbytes // first
+    if ptr <= 0:
+        raise InvalidArgument(f"{what}: null pointer")
+    if item_len <= 0 or nbytes <= 0:
+        raise InvalidArgument(f"{what}: empty buffer or non-positive item length ({item_len})")
+    if nbytes % item_len:
+        raise InvalidArgument(f"{what}: {nbytes} bytes is not a whole number of {item_len}-byte items")
+    return Buffer(ptr, nbytes, item_len, device, layer_id, obj)
+
+
+def _resolve_list(
+    buffers: Sequence[BufferLike], item_lens: int | Sequence[int] | None, what: str,
+    layer_ids: Sequence[int] | None = None,
+) -> list[Buffer]:
+    if isinstance(item_lens, int) or item_lens is None:
+        lens: list[int | None] = [item_lens] * len(buffers)
+    else:
+        lens = list(item_lens)
+        if len(lens) != len(buffers):
+            raise InvalidArgument(f"{what}: {len(buffers)} buffers but {len(lens)} item lengths")
+    if layer_ids is not None and len(layer_ids) != len(buffers):
+        raise InvalidArgument(f"{what}: {len(buffers)} buffers but {len(layer_ids)} layer ids")
+    return [
+        resolve_buffer(b, n, what=f"{what}[{i}]", layer_id=-1 if layer_ids is None else int(layer_ids[i]))
+        for i, (b, n) in enumerate(zip(buffers, lens, strict=True))
+    ]
+
+
+@dataclass
+class KVArgs:
+    """The memory and geometry of one rank.
+
+    ``kv_buffers`` are indexed by page: buffer ``b``'s page ``p`` lives at ``ptr_b + p * item_len_b``.
+    The layer-first layout passes one buffer per (K or V, layer); a page-first layout passes one buffer
+    whose page holds every layer.
+    """
+
+    kv_buffers: Sequence[BufferLike]
+    kv_item_lens: int | Sequence[int] | None = None
+    page_size: int = 1
+    """Tokens per page."""
+    dtype: str = "unknown"
+    layout: str = "layer_first"
+    kv_layer_ids: Sequence[int] | None = None
+    aux_buffers: Sequence[BufferLike] = ()
+    aux_item_lens: int | Sequence[int] | None = None
+    state_buffers: Mapping[str, Sequence[BufferLike]] = field(default_factory=dict)
+    state_item_lens: Mapping[str, int | Sequence[int] | None] = field(default_factory=dict)
+    state_dims: Mapping[str, Sequence[int]] = field(default_factory=dict)
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    kv_heads: int = 0
+    """KV heads held by this rank (0: not head-sliceable / unknown)."""
+    total_kv_heads: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.kv_buffers:
+            raise InvalidArgument("KVArgs needs at least one KV buffer")
+        if self.page_size < 1:
+            raise InvalidArgument("page_size must be >= 1")
+        if not (0 <= self.tp_rank < self.tp_size) or not (0 <= self.pp_rank < self.pp_size):
+            raise InvalidArgument("rank out of range of its parallel size")
+        self.kv: list[Buffer] = _resolve_list(self.kv_buffers, self.kv_item_lens, "kv", self.kv_layer_ids)
+        self.aux: list[Buffer] = _resolve_list(self.aux_buffers, self.aux_item_lens, "aux")
+        self.state: dict[str, list[Buffer]] = {
+            kind: _resolve_list(bufs, self.state_item_lens.get(kind), f"state[{kind}]")
+            for kind, bufs in self.state_buffers.items()
+        }
+        regions = [(b.ptr, b.ptr + b.nbytes) for b in self.all_buffers()]
+        self._check_overlaps(regions)
+
+    def all_buffers(self) -> list[Buffer]:
+        out = list(self.kv) + list(self.aux)
+        for bufs in self.state.values():
+            out.extend(bufs)
+        return out
+
+    @staticmethod
+    def _check_overlaps(regions: list[tuple[int, int]]) -> None:
+        spans = sorted(set(regions))
+        for (s0, e0), (s1, _e1) in itertools.pairwise(spans):
+            if s1 < e0:
+                raise InvalidArgument(f"buffers overlap: [{s0:#x}, {e0:#x}) and one starting at {s1:#x}")
+
+    @property
+    def num_pages(self) -> int:
+        """Pages addressable in every KV buffer (the smallest buffer bounds page indices)."""
+        return min(b.num_items for b in self.kv)
+
+    def compat_hash(self) -> str:
+        """A digest of what must match between peers: layout, dtype, page size and buffer structure."""
+        parts = [self.layout, self.dtype, str(self.page_size), str(len(self.kv))]
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

@@ -1,0 +1,169 @@
+"""Configuration: one frozen object, read from the environment in exactly one place."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = ["AuxPath", "TransferConfig"]
+
+ENV_PREFIX = "AIOTRANSFER_"
+
+
+class AuxPath(str, enum.Enum):
+    """Which path ``send_aux`` uses (see :func:`aiotransfer.aux.select_aux_path`)."""
+
+    AUTO = "auto"
+    ENGINE = "engine"
+    TCP = "tcp"
+
+
+def _positive(name: str, value: float | None, *, allow_none: bool = False) -> None:
+    if value is None:
+        if not allow_none:
+            raise ConfigError(f"{name} must be set")
+        return
+    if value <= 0:
+        raise ConfigError(f"{name} must be > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Everything a :class:`~aiotransfer.KVManager` needs besides its buffers.
+
+    Timeouts are seconds. Every public coroutine takes ``timeout=None`` meaning "use the matching
+    default here"; no wait in the library is unbounded.
+    """
+
+    engine: str = "mooncake"
+    """Engine name: ``mooncake``, ``mooncake_tcp`` (forces TCP), ``nixl``, ``mori`` or a registered name."""
+    protocol: str | None = None
+    """Mooncake protocol; ``None`` falls back to ``$MOONCAKE_PROTOCOL`` then ``"rdma"``."""
+    hostname: str = "127.0.0.1"
+    """Address peers reach this rank at (engine and control plane)."""
+    control_port: int = 0
+    """Port of this rank's control socket; 0 picks a free one."""
+    rdma_devices: str | None = None
+    """RDMA device list: a comma list or a JSON map ``{gpu_id: "mlx5_0,mlx5_1"}`` (Mooncake)."""
+    device_id: int | None = None
+    """Accelerator device of this rank; set before the engine is created, and on executor threads."""
+
+    aux_path: AuxPath = AuxPath.AUTO
+    custom_mem_pool: str | None = None
+    """``NVLINK``, ``INTRA_NODE_NVLINK`` or ``BAREX`` when KV lives in a custom pool (drives aux path)."""
+
+    handshake_timeout: float = 10.0
+    """Bound on first contact with a peer: registration round trip and engine handshake."""
+    ready_timeout: float = 300.0
+    """Default bound for ``KVSender.wait_ready`` (decode's page indices arriving)."""
+    transfer_timeout: float = 60.0
+    """Default bound for one ``send_kv`` / ``send_state`` / ``send_aux`` call."""
+    done_timeout: float = 300.0
+    """Default bound for ``done()`` on either side."""
+    engine_timeout_s: int | None = 30
+    """Mooncake's own per-transfer timeout (``MC_TRANSFER_TIMEOUT``, min 5; also sets
+    ``MC_TCP_STATUS_TIMEOUT_SEC``). ``None`` leaves the environment untouched."""
+    engine_log_level: str = "WARNING"
+    """glog level of the engine (``MC_LOG_LEVEL``); an explicit environment value wins."""
+
+    max_entries_in_flight: int = 1024
+    """Engine entries in flight per peer (Mooncake rejects beyond ~2,048 queued per peer)."""
+    max_batch_entries: int = 1024
+    """Largest single engine batch; bigger plans are split."""
+    max_rooms: int = 65536
+    """Rooms tracked at once per manager; beyond that new senders/receivers wait or fail."""
+    max_sockets: int = 512
+    """Outbound control sockets cached per manager (least recently used are closed)."""
+    max_message_bytes: int = 64 * 1024 * 1024
+    """Largest control message accepted."""
+    executor_threads: int = 2
+    """Threads of the engine's offload executor; more spinning threads are slower on small hosts."""
+    poll_interval_min: float = 0.0001
+    poll_interval_max: float = 0.002
+    pending_request_ttl: float = 600.0
+    """How long transfer requests for a room nobody created a sender for are kept."""
+
+    hmac_key: bytes | None = None
+    """Shared secret: when set, every control message is signed and verified."""
+
+    def __post_init__(self) -> None:
+        if not self.engine:
+            raise ConfigError("engine must be a non-empty name")
+        try:
+            object.__setattr__(self, "aux_path", AuxPath(self.aux_path))
+        except ValueError:
+            raise ConfigError(
+                f"aux_path must be one of {[p.value for p in AuxPath]}, got {self.aux_path!r}"
+            ) from None
+        for name in ("handshake_timeout", "ready_timeout", "transfer_timeout", "done_timeout"):
+            _positive(name, getattr(self, name))
+        for name in (
+            "max_entries_in_flight",
+            "max_batch_entries",
+            "max_rooms",
+            "max_sockets",
+            "max_message_bytes",
+            "executor_threads",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_batch_entries > self.max_entries_in_flight:
+            object.__setattr__(self, "max_batch_entries", self.max_entries_in_flight)
+        if self.engine_timeout_s is not None and self.engine_timeout_s < 5:
+            raise ConfigError("engine_timeout_s must be >= 5 (Mooncake's minimum) or None")
+        if not 0 < self.poll_interval_min <= self.poll_interval_max:
+            raise ConfigError("need 0 < poll_interval_min <= poll_interval_max")
+        if isinstance(self.hmac_key, str):
+            object.__setattr__(self, "hmac_key", self.hmac_key.encode())
+        if not (0 <= self.control_port < 65536):
+            raise ConfigError(f"control_port out of range: {self.control_port}")
+
+    def replace(self, **changes: Any) -> TransferConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> TransferConfig:
+        """Build a config from ``AIOTRANSFER_*`` variables (and ``MOONCAKE_PROTOCOL``); overrides win.
+
+        ``AIOTRANSFER_<FIELD>`` sets any field (upper-case name). ``AIOTRANSFER_SEND_AUX_TCP=1`` forces
+        the TCP aux path.
+        """
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is None or raw == "":
+                continue
+            values[f.name] = _parse_field(f.name, f.type, raw)
+        if _truthy(env.get(ENV_PREFIX + "SEND_AUX_TCP")):
+            values["aux_path"] = AuxPath.TCP
+        values.update(overrides)
+        return cls(**values)
+
+
+def _truthy(raw: str | None) -> bool:
+    return raw is not None and raw.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _parse_field(name: str, annotation: Any, raw: str) -> Any:
+    text = str(annotation)
+    try:
+        if name == "hmac_key":
+            return raw.encode()
+        if "float" in text:
+            return float(raw)
+        if "int" in text:
+            return int(raw)
+        if "bool" in text:
+            return _truthy(raw)
+    except ValueError:
+        raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {text}") from None
+    return raw

@@ -1,0 +1,1 @@
+"""Control plane: the only package that imports ``zmq``."""

@@ -1,0 +1,204 @@
+"""ZMQ endpoint of one manager: one PULL socket in, a capped LRU cache of PUSH sockets out.
+
+Each message is one multipart ZMQ message: ``[payload]``, or ``[payload, mac]`` when a shared secret is
+configured (HMAC-SHA256 over the payload). Inbound messages that are too large, badly signed, or fail
+decoding/validation are counted by cause, logged (rate-limited) and dropped; the receive loop never dies
+on bad input. Per-peer ordering is ZMQ's per-pipe FIFO: aux bytes sent before a status arrive before it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Awaitable, Callable
+
+import zmq
+import zmq.asyncio
+
+from ..errors import ClosedError, PeerError, ProtocolError, TransferTimeout
+from .messages import Message, decode, encode
+
+__all__ = ["ControlPlane", "normalize_endpoint"]
+
+log = logging.getLogger("aiotransfer.control")
+
+Handler = Callable[[Message], Awaitable[None] | None]
+
+
+def normalize_endpoint(peer: str) -> str:
+    """``"host:port"`` or ``"tcp://host:port"`` -> ``"tcp://host:port"``."""
+    peer = peer.strip()
+    if not peer.startswith("tcp://"):
+        peer = "tcp://" + peer
+    host, sep, port = peer[len("tcp://"):].rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"peer must be 'host:port', got {peer!r}")
+    return peer
+
+
+class ControlPlane:
+    """Inbound PULL + outbound PUSH cache; delivers decoded messages to ``handler`` in arrival order."""
+
+    def __init__(
+        self,
+        hostname: str,
+        port: int,
+        handler: Handler,
+        *,
+        max_sockets: int,
+        max_message_bytes: int,
+        hmac_key: bytes | None = None,
+    ) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._ctx.setsockopt(zmq.LINGER, 0)
+        self._hostname = hostname
+        self._port = port
+        self._handler = handler
+        self._max_sockets = max_sockets
+        self._max_bytes = max_message_bytes
+        self._key = hmac_key
+        self._pull: zmq.asyncio.Socket | None = None
+        self._out: OrderedDict[str, zmq.asyncio.Socket] = OrderedDict()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self.dropped: Counter[str] = Counter()
+        self.received = 0
+        self.sent = 0
+        self.evicted = 0
+        self._last_warn = 0.0
+        self.endpoint = ""
+
+    async def start(self) -> None:
+        pull = self._ctx.socket(zmq.PULL)
+        pull.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + 1024)
+        addr = f"tcp://{self._hostname}"
+        if self._port:
+            pull.bind(f"{addr}:{self._port}")
+            port = self._port
+        else:
+            port = pull.bind_to_random_port(addr)
+        self._pull = pull
+        self.endpoint = f"{addr}:{port}"
+        self._task = asyncio.get_running_loop().create_task(self._recv_loop(), name="aiotransfer-control")
+
+    # -- outbound -------------------------------------------------------------------------------
+    def _socket(self, endpoint: str) -> zmq.asyncio.Socket:
+        sock = self._out.get(endpoint)
+        if sock is not None:
+            self._out.move_to_end(endpoint)
+            return sock
+        while len(self._out) >= self._max_sockets:
+            _, old = self._out.popitem(last=False)
+            old.close(linger=0)
+            self.evicted += 1
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 10000)
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)
+        sock.connect(endpoint)
+        self._out[endpoint] = sock
+        return sock
+
+    def frames(self, msg: Message) -> list[bytes]:
+        payload = encode(msg)
+        if self._key is None:
+            return [payload]
+        return [payload, hmac.new(self._key, payload, hashlib.sha256).digest()]
+
+    async def send(self, endpoint: str, msg: Message, *, timeout: float) -> None:
+        """Queue ``msg`` to ``endpoint``; waits (bounded) only if the peer's queue is full."""
+        if self._closed:
+            raise ClosedError("control plane is closed")
+        sock = self._socket(endpoint)
+        frames = self.frames(msg)
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            try:
+                await asyncio.wait_for(sock.send_multipart(frames), timeout)
+            except asyncio.TimeoutError:
+                raise TransferTimeout(f"control message to {endpoint} not accepted within {timeout}s") from None
+        except zmq.ZMQError as exc:
+            raise PeerError(f"cannot send to {endpoint}: {exc}") from exc
+        self.sent += 1
+
+    def forget(self, endpoint: str) -> None:
+        sock = self._out.pop(endpoint, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    @property
+    def open_sockets(self) -> int:
+        return len(self._out) + (1 if self._pull is not None else 0)
+
+    # -- inbound --------------------------------------------------------------------------------
+    def parse(self, frames: list[bytes]) -> Message:
+        """Authenticate and decode one multipart message (raises :class:`ProtocolError`)."""
+        if not frames or len(frames) > 2:
+            raise ProtocolError("bad frame count")
+        payload = frames[0]
+        if len(payload) > self._max_bytes:
+            raise ProtocolError("message too large")
+        if self._key is not None:
+            if len(frames) != 2:
+                raise ProtocolError("unsigned message")
+            expected = hmac.new(self._key, payload, hashlib.sha256).digest()
+            if not hmac.compare_digest(expected, frames[1]):
+                raise ProtocolError("bad signature")
+        elif len(frames) != 1:
+            raise ProtocolError("unexpected signature frame")
+        return decode(payload)
+
+    async def _recv_loop(self) -> None:
+        assert self._pull is not None
+        while True:
+            try:
+                frames = await self._pull.recv_multipart(copy=True)
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as exc:
+                if self._closed:
+                    return
+                self._drop("socket-error", exc)
+                continue
+            try:
+                msg = self.parse(list(frames))
+            except ProtocolError as exc:
+                self._drop(str(exc).split(":")[0], exc)
+                continue
+            self.received += 1
+            try:
+                result = self._handler(msg)
+                if result is not None:
+                    await result
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.dropped["handler-error"] += 1
+                log.exception("control handler failed on %s", type(msg).__name__)
+
+    def _drop(self, cause: str, exc: BaseException) -> None:
+        self.dropped[cause] += 1
+        now = time.monotonic()
+        if now - self._last_warn > 1.0:
+            self._last_warn = now
+            log.warning("dropped control message (%s): %s [total dropped %d]", cause, exc, sum(self.dropped.values()))
+
+    async def aclose(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for sock in self._out.values():
+            sock.close(linger=0)
+        self._out.clear()
+        if self._pull is not None:
+            self._pull.close(linger=0)
+            self._pull = None
+        self._ctx.term()

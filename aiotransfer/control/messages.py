@@ -1,0 +1,212 @@
+"""Versioned, strictly validated control messages (msgpack via msgspec).
+
+Every message is a tagged struct; decoding checks types, and :func:`validate` checks values (sizes,
+ranges). A message that fails either is a :class:`~aiotransfer.errors.ProtocolError`: the endpoint
+counts it, logs it and drops it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from ..errors import ProtocolError
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Abort",
+    "AuxData",
+    "BufferSpec",
+    "Hello",
+    "HelloAck",
+    "Message",
+    "StateSpec",
+    "Status",
+    "TransferRequest",
+    "decode",
+    "encode",
+    "pack_indices",
+    "unpack_indices",
+]
+
+PROTOCOL_VERSION = 1
+_INDEX_DTYPE = np.dtype("<i4")
+_MAX_LIST = 1 << 16
+
+
+class BufferSpec(msgspec.Struct, frozen=True, array_like=True):
+    """One registered buffer as a peer sees it."""
+
+    ptr: int
+    nbytes: int
+    item_len: int
+    layer_id: int = -1
+
+
+class StateSpec(msgspec.Struct, frozen=True, array_like=True):
+    """The buffers of one state type (mamba, swa, nsa...)."""
+
+    kind: str
+    buffers: list[BufferSpec]
+    dims: list[int] = []
+
+
+class Hello(msgspec.Struct, tag="hello", frozen=True):
+    """Decode -> prefill, once per peer: who we are and where our memory is."""
+
+    version: int
+    endpoint: str
+    generation: int
+    engine: str
+    session_id: str
+    engine_info: bytes
+    probe_addr: int
+    compat: str
+    kv: list[BufferSpec]
+    aux: list[BufferSpec] = []
+    state: list[StateSpec] = []
+    layout: str = "layer_first"
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    kv_heads: int = 0
+    total_kv_heads: int = 0
+    page_size: int = 1
+
+
+class HelloAck(msgspec.Struct, tag="hello_ack", frozen=True):
+    """Prefill -> decode: accepted (and the engine can reach the decode) or refused with a reason."""
+
+    version: int
+    endpoint: str
+    generation: int
+    accepted: bool
+    reason: str = ""
+    engine: str = ""
+    session_id: str = ""
+    rank: int = 0
+
+
+class TransferRequest(msgspec.Struct, tag="req", frozen=True):
+    """Decode -> prefill, per room and target prefill rank: where the pages go."""
+
+    room: int
+    endpoint: str
+    generation: int
+    kv_indices: bytes
+    aux_index: int = -1
+    state_indices: dict[str, list[int]] = {}
+    required_dst_info_num: int = 1
+    is_dummy: bool = False
+
+
+class Status(msgspec.Struct, tag="status", frozen=True):
+    """Prefill -> decode: a room's terminal status (Success=4 / Failed=0) with a reason."""
+
+    room: int
+    status: int
+    rank: int
+    endpoint: str
+    reason: str = ""
+
+
+class AuxData(msgspec.Struct, tag="aux", frozen=True):
+    """Prefill -> decode: aux bytes sent over the control channel (TCP path)."""
+
+    room: int
+    buffer: int
+    index: int
+    data: bytes
+    endpoint: str = ""
+
+
+class Abort(msgspec.Struct, tag="abort", frozen=True):
+    """Either direction: fail the room on the other side too."""
+
+    room: int
+    endpoint: str
+    reason: str
+    generation: int = 0
+
+
+Message = Hello | HelloAck | TransferRequest | Status | AuxData | Abort
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    """Decode and validate one message; raises :class:`ProtocolError`."""
+    try:
+        msg: Message = _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"undecodable control message: {exc}") from None
+    validate(msg)
+    return msg
+
+
+def _check(cond: bool, what: str) -> None:
+    if not cond:
+        raise ProtocolError(what)
+
+
+def _check_room(room: int) -> None:
+    _check(0 <= room < (1 << 63), f"room out of range: {room}")
+
+
+def _check_buffers(buffers: list[BufferSpec], what: str) -> None:
+    _check(len(buffers) <= _MAX_LIST, f"too many {what} buffers")
+    for b in buffers:
+        _check(b.ptr > 0 and b.nbytes >= 0 and b.item_len > 0, f"bad {what} buffer {b}")
+        _check(b.ptr + b.nbytes < (1 << 64), f"{what} buffer exceeds the address space")
+
+
+def validate(msg: Message) -> None:
+    """Value checks beyond types."""
+    if isinstance(msg, Hello):
+        _check(msg.version == PROTOCOL_VERSION, f"protocol version {msg.version} != {PROTOCOL_VERSION}")
+        _check_buffers(msg.kv, "kv")
+        _check_buffers(msg.aux, "aux")
+        for s in msg.state:
+            _check_buffers(s.buffers, f"state {s.kind}")
+        _check(msg.probe_addr > 0, "missing probe address")
+        _check(msg.tp_size >= 1 and 0 <= msg.tp_rank < msg.tp_size, "bad tp rank")
+        _check(msg.pp_size >= 1 and 0 <= msg.pp_rank < msg.pp_size, "bad pp rank")
+        _check(msg.page_size >= 1, "bad page size")
+    elif isinstance(msg, HelloAck):
+        _check(msg.version == PROTOCOL_VERSION, f"protocol version {msg.version} != {PROTOCOL_VERSION}")
+    elif isinstance(msg, TransferRequest):
+        _check_room(msg.room)
+        _check(len(msg.kv_indices) % _INDEX_DTYPE.itemsize == 0, "kv_indices is not a whole int32 array")
+        _check(msg.aux_index >= -1, "bad aux index")
+        _check(1 <= msg.required_dst_info_num <= 4096, "bad required_dst_info_num")
+        for kind, idx in msg.state_indices.items():
+            _check(len(kind) <= 64 and len(idx) <= (1 << 24), "bad state indices")
+            _check(all(i >= 0 for i in idx), f"negative {kind} state index")
+    elif isinstance(msg, Status):
+        _check_room(msg.room)
+        _check(msg.status in (0, 1, 2, 3, 4), f"bad status {msg.status}")
+        _check(len(msg.reason) <= 4096, "reason too long")
+    elif isinstance(msg, AuxData):
+        _check_room(msg.room)
+        _check(msg.buffer >= 0 and msg.index >= 0, "bad aux buffer/index")
+    elif isinstance(msg, Abort):
+        _check_room(msg.room)
+        _check(len(msg.reason) <= 4096, "reason too long")
+
+
+def pack_indices(indices: np.ndarray) -> bytes:
+    """int32 little-endian page indices (the receiver checked they fit)."""
+    return np.ascontiguousarray(indices, dtype=_INDEX_DTYPE).tobytes()
+
+
+def unpack_indices(data: bytes) -> np.ndarray:
+    arr = np.frombuffer(data, dtype=_INDEX_DTYPE).astype(np.int64)
+    if arr.size and int(arr.min()) < 0:
+        raise ProtocolError("negative page index in transfer request")
+    return arr

@@ -1,0 +1,660 @@
+"""``KVManager``: one per rank. Owns the engine, the poll loop, the control plane and the buffers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._offload import Offloader
+from ._poller import Poller
+from .args import KVArgs
+from .config import TransferConfig
+from .control.endpoint import ControlPlane, normalize_endpoint
+from .control.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    AuxData,
+    BufferSpec,
+    Hello,
+    HelloAck,
+    Message,
+    StateSpec,
+    Status,
+    TransferRequest,
+    pack_indices,
+    unpack_indices,
+)
+from .engines.base import MemoryRegion, TransferEngine
+from .engines.registry import create_engine
+from .errors import (
+    AiotransferError,
+    ClosedError,
+    EngineError,
+    IncompatiblePeer,
+    InvalidArgument,
+    PeerError,
+    ProtocolError,
+    TransferFailed,
+    TransferTimeout,
+)
+from .plan import Blocks, check_range, check_unique, plan_blocks
+from .receiver import KVReceiver
+from .sender import KVSender
+from .status import KVPoll, StatusTable
+
+__all__ = ["KVManager"]
+
+log = logging.getLogger("aiotransfer.manager")
+
+_PLAN_OFFLOAD_ENTRIES = 1 << 16
+"""Plans larger than this many (page x buffer) pairs are computed on the offload thread."""
+
+
+@dataclass
+class _DecodePeer:
+    """Prefill-side view of a decode rank that registered with us."""
+
+    endpoint: str
+    hello: Hello
+    kv_bases: np.ndarray
+    kv_item_lens: np.ndarray
+    num_pages: int
+    aux_slots: int
+
+    @property
+    def session_id(self) -> str:
+        return self.hello.session_id
+
+
+@dataclass
+class _PrefillPeer:
+    """Decode-side view of a prefill rank we registered with."""
+
+    endpoint: str
+    ack: HelloAck
+
+
+@dataclass
+class _Pending:
+    """Transfer requests that arrived before the prefill created the room's sender."""
+
+    since: float
+    items: list[tuple[_DecodePeer, TransferRequest, np.ndarray]] = field(default_factory=list)
+
+
+class KVManager:
+    """One rank's transfer endpoint: engine + poll loop + control plane + registered buffers.
+
+    Use as an async context manager::
+
+        async with KVManager(args, TransferConfig(engine="mooncake_tcp")) as mgr:
+            tx = mgr.sender(room)            # prefill role
+            rx = mgr.receiver(room, peer)    # decode role (peer = the prefill's mgr.endpoint)
+
+    A manager can play both roles. Nothing here blocks the event loop: engine calls go through one
+    named executor and one poll loop, and every wait is bounded.
+    """
+
+    def __init__(
+        self,
+        args: KVArgs,
+        config: TransferConfig | None = None,
+        *,
+        engine: TransferEngine | None = None,
+    ) -> None:
+        self.args = args
+        self.config = config if config is not None else TransferConfig.from_env()
+        self.generation = secrets.randbits(62)
+        self._engine: TransferEngine | None = engine
+        self._own_engine = engine is None
+        self._offload = Offloader(self.config.engine, self.config.executor_threads)
+        self._poller: Poller | None = None
+        self._control: ControlPlane | None = None
+        self._regions = [MemoryRegion(b.ptr, b.nbytes, b.device) for b in args.all_buffers()]
+        self._registered = False
+        self._started = False
+        self._closed = False
+        self._kv_bases = np.array([b.ptr for b in args.kv], dtype=np.uint64)
+        self._kv_item_lens = np.array([b.item_len for b in args.kv], dtype=np.uint64)
+        self._compat = args.compat_hash()
+        self._senders: dict[int, KVSender] = {}
+        self._receivers: dict[int, KVReceiver] = {}
+        self._tx_status = StatusTable(on_change=self._on_tx_change)
+        self._rx_status = StatusTable(on_change=self._on_rx_change)
+        self._decode_peers: dict[str, _DecodePeer] = {}
+        self._prefill_peers: dict[str, _PrefillPeer] = {}
+        self._hello_tasks: dict[str, asyncio.Task[_PrefillPeer]] = {}
+        self._hello_waiters: dict[int, asyncio.Future[HelloAck]] = {}
+        self._hello_inflight: dict[str, asyncio.Task[None]] = {}
+        self._pending: OrderedDict[int, _Pending] = OrderedDict()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.counters: Counter[str] = Counter()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> KVManager:
+        if self._started:
+            return self
+        if self._closed:
+            raise ClosedError("manager is closed")
+        cfg = self.config
+        try:
+            if self._engine is None:
+                self._engine = await self._offload.run(
+                    create_engine, cfg, timeout=max(cfg.handshake_timeout, 30.0), what="engine initialisation"
+                )
+            await self._offload.run(self._engine.register, self._regions, timeout=cfg.handshake_timeout,
+                                    what="memory registration")
+            self._registered = True
+            self._poller = Poller(
+                self._engine,
+                self._offload,
+                max_in_flight=cfg.max_entries_in_flight,
+                max_batch=cfg.max_batch_entries,
+                interval_min=cfg.poll_interval_min,
+                interval_max=cfg.poll_interval_max,
+            )
+            self._control = ControlPlane(
+                cfg.hostname,
+                cfg.control_port,
+                self._dispatch,
+                max_sockets=cfg.max_sockets,
+                max_message_bytes=cfg.max_message_bytes,
+                hmac_key=cfg.hmac_key,
+            )
+            await self._control.start()
+        except BaseException:
+            await self.aclose()
+            raise
+        self._started = True
+        log.info("manager up: control=%s engine=%s", self.endpoint, self.describe().get("engine"))
+        return self
+
+    async def __aenter__(self) -> KVManager:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self, timeout: float = 5.0) -> None:
+        """Fail open rooms, drain the poll loop, deregister memory, close sockets (in that order)."""
+        if self._closed:
+            return
+        self._closed = True
+        for room, tx in list(self._senders.items()):
+            if not tx.poll().is_terminal:
+                self._tx_update(room, KVPoll.Failed, "manager closed")
+        for room, rx in list(self._receivers.items()):
+            if not rx.poll().is_terminal:
+                self._rx_update(room, KVPoll.Failed, "manager closed")
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(BaseException):
+                await task
+        remaining = 0
+        if self._poller is not None:
+            remaining = await self._poller.aclose(timeout)
+        if self._engine is not None and self._registered and remaining == 0:
+            with contextlib.suppress(AiotransferError):
+                await self._offload.run(self._engine.deregister, self._regions, timeout=timeout,
+                                        what="memory deregistration")
+            self._registered = False
+        if self._control is not None:
+            await self._control.aclose()
+        if self._engine is not None and self._own_engine and remaining == 0:
+            with contextlib.suppress(AiotransferError):
+                await self._offload.run(self._engine.close, timeout=timeout, what="engine close")
+        self._offload.shutdown(wait=False)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("manager is closed")
+        if not self._started:
+            raise ClosedError("manager is not started: use 'async with KVManager(...)' or 'await mgr.start()'")
+
+    @property
+    def endpoint(self) -> str:
+        """This rank's control address (give it to decode as ``peer``)."""
+        return self._control.endpoint if self._control is not None else ""
+
+    @property
+    def engine(self) -> TransferEngine:
+        if self._engine is None:
+            raise ClosedError("manager is not started")
+        return self._engine
+
+    def describe(self) -> dict[str, Any]:
+        """Static facts: engine, transport actually installed, session, endpoint, geometry."""
+        info: dict[str, Any] = {
+            "endpoint": self.endpoint,
+            "generation": self.generation,
+            "protocol_version": PROTOCOL_VERSION,
+            "kv_buffers": len(self.args.kv),
+            "num_pages": self.args.num_pages,
+            "layout": self.args.layout,
+            "compat": self._compat,
+        }
+        if self._engine is not None:
+            info.update(self._engine.describe())
+        return info
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: rooms, bytes, dropped control messages by cause, engine handles in flight."""
+        c = self._control
+        p = self._poller
+        return {
+            "senders_active": len(self._senders),
+            "receivers_active": len(self._receivers),
+            "pending_requests": len(self._pending),
+            "decode_peers": len(self._decode_peers),
+            "prefill_peers": len(self._prefill_peers),
+            "in_flight": p.in_flight if p else 0,
+            "pinned_bytes": p.pinned_bytes if p else 0,
+            "engine_completed": p.completed if p else 0,
+            "engine_failed": p.failed if p else 0,
+            "control_received": c.received if c else 0,
+            "control_sent": c.sent if c else 0,
+            "control_dropped": dict(c.dropped) if c else {},
+            "open_sockets": c.open_sockets if c else 0,
+            **dict(self.counters),
+        }
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("up" if self._started else "new")
+        return f"<KVManager {state} endpoint={self.endpoint or '-'} senders={len(self._senders)} receivers={len(self._receivers)}>"
+
+    # -- factories ------------------------------------------------------------------------------
+    def _check_room(self, room: int) -> None:
+        if not isinstance(room, (int, np.integer)) or isinstance(room, bool) or not 0 <= int(room) < 2**63:
+            raise InvalidArgument(f"room must be an integer in [0, 2**63), got {room!r}")
+
+    def sender(self, room: int) -> KVSender:
+        """Create the prefill side of ``room`` (Bootstrapping until decode's metadata arrives)."""
+        self._check_open()
+        self._check_room(room)
+        room = int(room)
+        if room in self._senders:
+            raise InvalidArgument(f"duplicate room {room}: a sender for it is still active")
+        if len(self._senders) >= self.config.max_rooms:
+            raise InvalidArgument(f"too many active rooms ({self.config.max_rooms}); raise max_rooms")
+        tx = KVSender(self, room)
+        self._senders[room] = tx
+        self._tx_status.update(room, KVPoll.Bootstrapping)
+        pending = self._pending.pop(room, None)
+        if pending is not None:
+            for peer, req, idx in pending.items:
+                self._accept_request(tx, peer, req, idx)
+        return tx
+
+    def receiver(self, room: int, peer: str) -> KVReceiver:
+        """Create the decode side of ``room``, pulling from the prefill rank at ``peer`` (``host:port``)."""
+        self._check_open()
+        self._check_room(room)
+        room = int(room)
+        try:
+            endpoint = normalize_endpoint(peer)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        if room in self._receivers:
+            raise InvalidArgument(f"duplicate room {room}: a receiver for it is still active")
+        if len(self._receivers) >= self.config.max_rooms:
+            raise InvalidArgument(f"too many active rooms ({self.config.max_rooms}); raise max_rooms")
+        rx = KVReceiver(self, room, endpoint)
+        self._receivers[room] = rx
+        self._rx_status.update(room, KVPoll.Bootstrapping)
+        return rx
+
+    # -- status plumbing ------------------------------------------------------------------------
+    def _tx_update(self, room: int, status: KVPoll, reason: str | None = None) -> None:
+        self._tx_status.update(room, status, reason)
+
+    def _rx_update(self, room: int, status: KVPoll, reason: str | None = None) -> None:
+        self._rx_status.update(room, status, reason)
+
+    def _on_tx_change(self, room: int, old: KVPoll | None, new: KVPoll, reason: str | None) -> None:
+        tx = self._senders.get(room)
+        if tx is not None:
+            tx._set_status(new, reason)
+        if new.is_terminal:
+            self._tx_status.clear(room)
+            self._senders.pop(room, None)
+            self.counters[f"rooms_sent_{new.name.lower()}"] += 1
+
+    def _on_rx_change(self, room: int, old: KVPoll | None, new: KVPoll, reason: str | None) -> None:
+        rx = self._receivers.get(room)
+        if rx is not None:
+            rx._set_status(new, reason)
+        if new.is_terminal:
+            self._rx_status.clear(room)
+            self._receivers.pop(room, None)
+            self.counters[f"rooms_received_{new.name.lower()}"] += 1
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- decode side: registration and requests --------------------------------------------------
+    def _hello(self) -> tuple[Hello, int]:
+        a = self.args
+        nonce = secrets.randbits(62)
+        probe = getattr(self.engine, "probe_region", None)
+        probe_addr = probe.ptr if probe is not None else a.kv[0].ptr
+        hello = Hello(
+            version=PROTOCOL_VERSION,
+            endpoint=self.endpoint,
+            generation=nonce,
+            engine=self.config.engine.replace("mooncake_tcp", "mooncake"),
+            session_id=self.engine.session_id,
+            engine_info=self.engine.local_info(),
+            probe_addr=probe_addr,
+            compat=self._compat,
+            kv=[BufferSpec(b.ptr, b.nbytes, b.item_len, b.layer_id) for b in a.kv],
+            aux=[BufferSpec(b.ptr, b.nbytes, b.item_len) for b in a.aux],
+            state=[
+                StateSpec(kind, [BufferSpec(b.ptr, b.nbytes, b.item_len) for b in bufs], list(a.state_dims.get(kind, ())))
+                for kind, bufs in a.state.items()
+            ],
+            layout=a.layout,
+            tp_size=a.tp_size,
+            tp_rank=a.tp_rank,
+            pp_size=a.pp_size,
+            pp_rank=a.pp_rank,
+            kv_heads=a.kv_heads,
+            total_kv_heads=a.total_kv_heads,
+            page_size=a.page_size,
+        )
+        return hello, nonce
+
+    async def _ensure_prefill_peer(self, endpoint: str, timeout: float) -> _PrefillPeer:
+        peer = self._prefill_peers.get(endpoint)
+        if peer is not None:
+            return peer
+        task = self._hello_tasks.get(endpoint)
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = asyncio.get_running_loop().create_task(self._register_with(endpoint, timeout))
+            self._hello_tasks[endpoint] = task
+        return await asyncio.shield(task)
+
+    async def _register_with(self, endpoint: str, timeout: float) -> _PrefillPeer:
+        assert self._control is not None
+        hello, nonce = self._hello()
+        fut: asyncio.Future[HelloAck] = asyncio.get_running_loop().create_future()
+        self._hello_waiters[nonce] = fut
+        try:
+            await self._control.send(endpoint, hello, timeout=timeout)
+            try:
+                ack = await asyncio.wait_for(fut, timeout)
+            except asyncio.TimeoutError:
+                self._control.forget(endpoint)
+                raise PeerError(
+                    f"no registration answer from {endpoint} within {timeout:.3g}s "
+                    "(wrong address, peer down, or not an aiotransfer manager)"
+                ) from None
+        finally:
+            self._hello_waiters.pop(nonce, None)
+        if not ack.accepted:
+            raise IncompatiblePeer(f"{endpoint} refused registration: {ack.reason}")
+        peer = _PrefillPeer(endpoint, ack)
+        self._prefill_peers[endpoint] = peer
+        return peer
+
+    def _validate_state_indices(self, states: Mapping[str, Sequence[int]]) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for kind, idx in states.items():
+            bufs = self.args.state.get(str(kind))
+            if not bufs:
+                raise InvalidArgument(f"state indices for {kind!r} but no such state buffers are registered")
+            arr = np.asarray(list(idx), dtype=np.int64)
+            check_range(arr, min(b.num_items for b in bufs), what=f"{kind} state indices")
+            out[str(kind)] = [int(v) for v in arr]
+        return out
+
+    async def _send_request(
+        self,
+        rx: KVReceiver,
+        pages: np.ndarray,
+        aux_index: int | None,
+        states: dict[str, list[int]],
+        *,
+        timeout: float,
+    ) -> None:
+        assert self._control is not None
+        peer = await self._ensure_prefill_peer(rx.peer, timeout)
+        rx._targets = {peer.endpoint: peer.ack.rank}
+        rx._required = 1
+        req = TransferRequest(
+            room=rx.room,
+            endpoint=self.endpoint,
+            generation=peer.ack.generation,
+            kv_indices=pack_indices(pages),
+            aux_index=-1 if aux_index is None else aux_index,
+            state_indices=states,
+            required_dst_info_num=1,
+        )
+        await self._control.send(peer.endpoint, req, timeout=timeout)
+        self._rx_update(rx.room, KVPoll.WaitingForInput)
+
+    async def _notify_abort(self, room: int, endpoints: list[str], reason: str) -> None:
+        if self._control is None:
+            return
+        msg = Abort(room=room, endpoint=self.endpoint, reason=reason[:4000])
+        for ep in endpoints:
+            with contextlib.suppress(AiotransferError):
+                await self._control.send(ep, msg, timeout=1.0)
+
+    # -- prefill side: transfers ---------------------------------------------------------------
+    async def _write_kv(
+        self, peer: _DecodePeer, src: np.ndarray, dst: np.ndarray, *, timeout: float, room: int
+    ) -> None:
+        assert self._poller is not None
+        if src.size * len(self.args.kv) > _PLAN_OFFLOAD_ENTRIES:
+            blocks: Blocks = await self._offload.run(
+                plan_blocks, self._kv_bases, peer.kv_bases, self._kv_item_lens, src, dst,
+                timeout=timeout, what="transfer planning",
+            )
+        else:
+            blocks = plan_blocks(self._kv_bases, peer.kv_bases, self._kv_item_lens, src, dst)
+        try:
+            await self._poller.write(peer.session_id, blocks, timeout=timeout)
+        except EngineError as exc:
+            raise TransferFailed(f"engine transfer to {peer.endpoint} failed: {exc}", room=room) from exc
+        self.counters["kv_bytes_sent"] += blocks.nbytes
+        self.counters["kv_entries_sent"] += len(blocks)
+
+    async def _conclude_success(self, tx: KVSender, dsts: list[Any], deadline: float) -> None:
+        """Aux/state are delivered before this; then Success goes to every real decode rank."""
+        assert self._control is not None
+        loop = asyncio.get_running_loop()
+        for d in dsts:
+            msg = Status(room=tx.room, status=int(KVPoll.Success), rank=self._rank_id(), endpoint=self.endpoint)
+            await self._control.send(d.peer.endpoint, msg, timeout=max(deadline - loop.time(), 0.001))
+        self._tx_update(tx.room, KVPoll.Success)
+
+    async def _notify_failure(self, room: int, endpoints: list[str], reason: str) -> None:
+        if self._control is None or self._closed:
+            return
+        msg = Status(room=room, status=int(KVPoll.Failed), rank=self._rank_id(), endpoint=self.endpoint,
+                     reason=reason[:4000])
+        for ep in endpoints:
+            with contextlib.suppress(AiotransferError):
+                await self._control.send(ep, msg, timeout=1.0)
+
+    def _rank_id(self) -> int:
+        a = self.args
+        return a.tp_rank * a.pp_size + a.pp_rank
+
+    # -- inbound control messages -------------------------------------------------------------
+    def _dispatch(self, msg: Message) -> None:
+        if isinstance(msg, TransferRequest):
+            self._on_request(msg)
+        elif isinstance(msg, Status):
+            self._on_status(msg)
+        elif isinstance(msg, Hello):
+            if msg.endpoint not in self._hello_inflight:
+                self._spawn(self._on_hello(msg), f"hello-{msg.endpoint}")
+        elif isinstance(msg, HelloAck):
+            fut = self._hello_waiters.get(msg.generation)
+            self._on_hello_ack(msg, fut)
+        elif isinstance(msg, Abort):
+            self._on_abort(msg)
+        elif isinstance(msg, AuxData):
+            self._on_aux(msg)
+
+    def _drop(self, cause: str, detail: str) -> None:
+        self.counters[f"dropped_{cause}"] += 1
+        log.debug("dropped control message (%s): %s", cause, detail)
+
+    def _refusal(self, hello: Hello) -> str | None:
+        a = self.args
+        if hello.engine != self.config.engine.replace("mooncake_tcp", "mooncake"):
+            return f"engine mismatch: peer uses {hello.engine!r}, we use {self.config.engine!r}"
+        if hello.layout != a.layout:
+            return f"layout mismatch: peer {hello.layout!r}, ours {a.layout!r}"
+        if hello.page_size != a.page_size:
+            return f"page size mismatch: peer {hello.page_size}, ours {a.page_size}"
+        if hello.compat != self._compat:
+            return f"KV geometry hash mismatch (dtype/layout/page size/buffer count): peer {hello.compat}, ours {self._compat}"
+        if len(hello.kv) != len(a.kv):
+            return f"KV buffer count mismatch: peer {len(hello.kv)}, ours {len(a.kv)}"
+        theirs = [b.item_len for b in hello.kv]
+        ours = [b.item_len for b in a.kv]
+        if theirs != ours:
+            first = next(i for i, (x, y) in enumerate(zip(theirs, ours, strict=True)) if x != y)
+            return f"KV item length mismatch at buffer {first}: peer {theirs[first]} bytes/page, ours {ours[first]}"
+        return None
+
+    async def _on_hello(self, hello: Hello) -> None:
+        assert self._control is not None
+        self._hello_inflight[hello.endpoint] = asyncio.current_task()  # type: ignore[assignment]
+        try:
+            reason = self._refusal(hello)
+            if reason is None:
+                try:
+                    await self._offload.run(
+                        self.engine.connect, hello.session_id, hello.engine_info, hello.probe_addr,
+                        timeout=self.config.handshake_timeout, what=f"engine handshake with {hello.session_id}",
+                    )
+                except (EngineError, TransferTimeout) as exc:
+                    reason = f"our engine cannot reach yours ({hello.session_id}): {exc}"
+            if reason is None:
+                kv_bases = np.array([b.ptr for b in hello.kv], dtype=np.uint64)
+                item_lens = np.array([b.item_len for b in hello.kv], dtype=np.uint64)
+                num_pages = min((b.nbytes // b.item_len for b in hello.kv), default=0)
+                aux_slots = min((b.nbytes // b.item_len for b in hello.aux), default=0)
+                old = self._decode_peers.get(hello.endpoint)
+                if old is not None and old.hello.generation != hello.generation:
+                    self.counters["decode_peer_restarts"] += 1
+                self._decode_peers[hello.endpoint] = _DecodePeer(
+                    hello.endpoint, hello, kv_bases, item_lens, num_pages, aux_slots
+                )
+            else:
+                self.counters["peers_refused"] += 1
+                log.warning("refusing decode peer %s: %s", hello.endpoint, reason)
+            ack = HelloAck(
+                version=PROTOCOL_VERSION,
+                endpoint=self.endpoint,
+                generation=hello.generation,
+                accepted=reason is None,
+                reason=reason or "",
+                engine=self.config.engine,
+                session_id=self.engine.session_id,
+                rank=self._rank_id(),
+            )
+            with contextlib.suppress(AiotransferError):
+                await self._control.send(hello.endpoint, ack, timeout=self.config.handshake_timeout)
+        finally:
+            self._hello_inflight.pop(hello.endpoint, None)
+
+    def _on_hello_ack(self, ack: HelloAck, fut: asyncio.Future[HelloAck] | None) -> None:
+        if fut is None or fut.done():
+            self._drop("unexpected-hello-ack", ack.endpoint)
+            return
+        fut.set_result(ack)
+
+    def _on_request(self, req: TransferRequest) -> None:
+        peer = self._decode_peers.get(req.endpoint)
+        if peer is None:
+            self._drop("unregistered-peer", f"request for room {req.room} from {req.endpoint}")
+            self._spawn(
+                self._notify_failure(req.room, [req.endpoint], "transfer request from an unregistered decode rank"),
+                "refuse",
+            )
+            return
+        if req.generation != peer.hello.generation:
+            self._drop("stale-generation", f"room {req.room} from {req.endpoint}")
+            return
+        try:
+            idx = unpack_indices(req.kv_indices)
+            if not req.is_dummy:
+                check_range(idx, peer.num_pages, what="destination kv indices")
+                check_unique(idx, what="destination kv indices")
+            if req.aux_index >= 0 and req.aux_index >= max(peer.aux_slots, 0) and peer.hello.aux:
+                raise InvalidArgument(f"aux index {req.aux_index} out of range of the decode's {peer.aux_slots} slots")
+        except (InvalidArgument, ProtocolError) as exc:
+            self._drop("invalid-request", str(exc))
+            reason = f"invalid transfer request: {exc}"
+            tx = self._senders.get(req.room)
+            if tx is not None:
+                self._spawn(tx._fail(reason), "fail")
+            else:
+                self._spawn(self._notify_failure(req.room, [req.endpoint], reason), "refuse")
+            return
+        tx = self._senders.get(req.room)
+        if tx is None:
+            self._stash(req.room, peer, req, idx)
+            return
+        self._accept_request(tx, peer, req, idx)
+
+    def _accept_request(self, tx: KVSender, peer: _DecodePeer, req: TransferRequest, idx: np.ndarray) -> None:
+        reason = tx._add_request(peer, req, idx)
+        if reason is not None:
+            self._drop("refused-request", reason)
+            self._spawn(self._notify_failure(req.room, [req.endpoint], reason), "refuse")
+
+    def _stash(self, room: int, peer: _DecodePeer, req: TransferRequest, idx: np.ndarray) -> None:
+        now = time.monotonic()
+        ttl = self.config.pending_request_ttl
+        while self._pending:
+            first_room, first = next(iter(self._pending.items()))
+            if now - first.since <= ttl and len(self._pending) < self.config.max_rooms:
+                break
+            self._pending.pop(first_room)
+            self.counters["pending_expired"] += 1
+        entry = self._pending.get(room)
+        if entry is None:
+            entry = self._pending[room] = _Pending(now)
+        entry.items.append((peer, req, idx))
+
+    def _on_status(self, msg: Status) -> None:
+        rx = self._receivers.get(msg.room)
+        if rx is None:
+            self._drop("unknown-room", f"status for room {msg.room}")
+            return
+        if not rx._on_prefill_status(msg.endpoint, msg.rank, KVPoll(msg.status), msg.reason):
+            self._drop("wrong-peer", f"status for room {msg.room} from {msg.endpoint}")
+
+    def _on_abort(self, msg: Abort) -> None:
+        tx = self._senders.get(msg.room)
+        if tx is not None and msg.endpoint in tx._dsts:
+            self._tx_update(msg.room, KVPoll.Failed, f"aborted by decode: {msg.reason}")
+            return
+        if self._pending.pop(msg.room, None) is not None:
+            return
+        rx = self._receivers.get(msg.room)
+        if rx is not None and msg.endpoint in rx._targets:
+            self._rx_update(msg.room, KVPoll.Failed, f"aborted by prefill: {msg.reason}")
+            return
+        self._drop("unknown-room", f"abort for room {msg.room}")
+
+    def _on_aux(self, msg: AuxData) -> None:
+        self._drop("unsupported", "aux data")

@@ -1,0 +1,298 @@
+"""Turn page (or slot) indices into transfer blocks: ``(src_addr, dst_addr, length)`` triples.
+
+Pages are integer indices into a buffer whose pages are ``item_len`` bytes each.
+A transfer pairs source page ``src_pages[i]`` with destination page ``dst_pages[i]``.
+Everything here is pure and vectorised with NumPy (no per-page Python loops).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+from aiotransfer.errors import InvalidArgument
+
+__all__ = [
+    "AddrArray",
+    "Blocks",
+    "IndexArray",
+    "IntVector",
+    "as_index_array",
+    "check_range",
+    "check_unique",
+    "coalesce_runs",
+    "page_runs",
+    "plan_blocks",
+    "plan_slots",
+    "split_blocks",
+]
+
+IndexArray: TypeAlias = npt.NDArray[np.int64]
+"""1-D array of page indices / run starts / run lengths."""
+AddrArray: TypeAlias = npt.NDArray[np.uint64]
+"""1-D array of addresses or byte lengths."""
+IntVector: TypeAlias = Sequence[int] | npt.NDArray[np.integer[Any]]
+"""One integer per buffer (bases, item lengths)."""
+
+_INT64_MAX = int(np.iinfo(np.int64).max)
+_UINT64_MAX = int(np.iinfo(np.uint64).max)
+
+
+class Blocks(NamedTuple):
+    """Transfer entries: copy ``length[k]`` bytes from ``src[k]`` to ``dst[k]``.
+
+    ``len(blocks)`` is the number of entries (not 3); unpacking and pickling work,
+    but ``_replace``/``_make`` raise TypeError: build ``Blocks(src, dst, length)``.
+    """
+
+    src: AddrArray
+    dst: AddrArray
+    length: AddrArray
+
+    def __len__(self) -> int:
+        return int(self.length.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes moved by all entries."""
+        return int(self.length.sum(dtype=np.uint64))
+
+
+def _empty_index() -> IndexArray:
+    return np.empty(0, dtype=np.int64)
+
+
+def _empty_blocks() -> Blocks:
+    return Blocks(np.empty(0, dtype=np.uint64), np.empty(0, dtype=np.uint64), np.empty(0, dtype=np.uint64))
+
+
+def as_index_array(indices: object, *, what: str = "indices") -> IndexArray:
+    """Return ``indices`` as a 1-D int64 array (possibly sharing memory with the input).
+
+    Accepts lists, tuples, ranges, NumPy integer arrays and anything ``np.asarray``
+    understands (e.g. CPU torch tensors). Empty input is allowed whatever its dtype
+    (``[]`` reads as float64). Raises :class:`InvalidArgument` for non-integer (or
+    bool) dtypes, ``ndim != 1``, negative values and values beyond int64.
+    """
+    try:
+        arr = np.asarray(indices)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidArgument(f"{what} cannot be read as an integer array: {exc}") from exc
+    if arr.ndim != 1:
+        raise InvalidArgument(f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return _empty_index()
+    kind = arr.dtype.kind
+    if kind not in "iu":
+        raise InvalidArgument(f"{what} must have an integer dtype, got {arr.dtype}")
+    if kind == "u":
+        if arr.dtype.itemsize == 8:
+            top = int(arr.max())
+            if top > _INT64_MAX:
+                raise InvalidArgument(f"{what} value {top} exceeds the int64 range")
+    elif int(arr.min()) < 0:
+        first = int(arr[np.argmax(arr < 0)])
+        raise InvalidArgument(f"{what} must be non-negative, got {first}")
+    return arr.astype(np.int64, copy=False)
+
+
+def check_range(pages: npt.NDArray[np.integer[Any]], num_pages: int, *, what: str) -> None:
+    """Raise :class:`InvalidArgument` unless every page is in ``[0, num_pages)``."""
+    if num_pages < 0:
+        raise InvalidArgument(f"{what}: num_pages must be >= 0, got {num_pages}")
+    if pages.size == 0:
+        return
+    if int(pages.max()) >= num_pages:
+        first = int(pages[np.argmax(pages >= num_pages)])
+        raise InvalidArgument(f"{what} page {first} is out of range (must be < {num_pages})")
+    if int(pages.min()) < 0:
+        first = int(pages[np.argmax(pages < 0)])
+        raise InvalidArgument(f"{what} page {first} is negative")
+
+
+def check_unique(pages: npt.NDArray[np.integer[Any]], *, what: str) -> None:
+    """Raise :class:`InvalidArgument` if any page appears more than once."""
+    if pages.size < 2:
+        return
+    ordered = np.sort(pages, kind="stable")
+    repeated = ordered[1:] == ordered[:-1]
+    if repeated.any():
+        dup = int(ordered[1:][np.argmax(repeated)])
+        raise InvalidArgument(f"{what} must not repeat, page {dup} appears more than once")
+
+
+def _run_starts(breaks: npt.NDArray[np.bool_]) -> IndexArray:
+    """Start positions of the runs, given ``breaks[i]`` = "element i+1 starts a new run"."""
+    starts = np.empty(int(np.count_nonzero(breaks)) + 1, dtype=np.int64)
+    starts[0] = 0
+    starts[1:] = np.flatnonzero(breaks) + 1
+    return starts
+
+
+def _run_lengths(starts: IndexArray, n: int) -> IndexArray:
+    lengths = np.empty_like(starts)
+    lengths[:-1] = starts[1:] - starts[:-1]
+    lengths[-1] = n - starts[-1]
+    return lengths
+
+
+def page_runs(pages: npt.NDArray[np.integer[Any]]) -> tuple[IndexArray, IndexArray]:
+    """Split ``pages`` into maximal runs advancing by exactly +1; return ``(starts, lengths)``.
+
+    ``starts`` holds page values (not positions). Used for gather/scatter staging.
+    """
+    p = np.asarray(pages, dtype=np.int64)
+    if p.size == 0:
+        return _empty_index(), _empty_index()
+    pos = _run_starts(np.diff(p) != 1)
+    return p[pos], _run_lengths(pos, p.size)
+
+
+def coalesce_runs(
+    src_pages: npt.NDArray[np.integer[Any]], dst_pages: npt.NDArray[np.integer[Any]]
+) -> tuple[IndexArray, IndexArray, IndexArray]:
+    """Split paired page arrays into maximal runs where both sides advance by exactly +1.
+
+    Returns ``(src_start, dst_start, run_len)`` as int64 arrays.
+    """
+    s = np.asarray(src_pages, dtype=np.int64)
+    d = np.asarray(dst_pages, dtype=np.int64)
+    if s.ndim != 1 or d.ndim != 1:
+        raise InvalidArgument(f"page arrays must be 1-D, got shapes {s.shape} and {d.shape}")
+    if s.shape != d.shape:
+        raise InvalidArgument(f"source and destination page counts differ: {s.size} != {d.size}")
+    if s.size == 0:
+        return _empty_index(), _empty_index(), _empty_index()
+    breaks = np.diff(s) != 1
+    breaks |= np.diff(d) != 1
+    pos = _run_starts(breaks)
+    return s[pos], d[pos], _run_lengths(pos, s.size)
+
+
+def _as_u64(values: object, *, what: str, positive: bool = False) -> AddrArray:
+    """Per-buffer integers -> 1-D uint64 array (non-negative, or positive)."""
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidArgument(f"{what} cannot be read as integers: {exc}") from exc
+    if arr.ndim != 1:
+        raise InvalidArgument(f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.empty(0, dtype=np.uint64)
+    if arr.dtype.kind not in "iu":
+        raise InvalidArgument(f"{what} must be integers, got dtype {arr.dtype}")
+    low = int(arr.min())
+    if low < 0 or (positive and low == 0):
+        raise InvalidArgument(f"{what} must be {'positive' if positive else 'non-negative'}, got {low}")
+    return arr.astype(np.uint64)
+
+
+def _merge_adjacent(src: AddrArray, dst: AddrArray, length: AddrArray) -> Blocks:
+    """Merge entry k into k-1 when both its src and dst start where k-1 ends."""
+    if src.size < 2:
+        return Blocks(src, dst, length)
+    joins = src[:-1] + length[:-1] == src[1:]
+    joins &= dst[:-1] + length[:-1] == dst[1:]
+    if not joins.any():
+        return Blocks(src, dst, length)
+    starts = _run_starts(~joins)
+    return Blocks(src[starts], dst[starts], np.add.reduceat(length, starts))
+
+
+def _check_address_space(bases: AddrArray, item_lens: AddrArray, pages: IndexArray, *, what: str) -> None:
+    """Refuse layouts whose byte addresses would overflow uint64 (O(buffers))."""
+    if pages.size == 0:
+        return
+    top = int(pages.max()) + 1
+    end = max(b + top * n for b, n in zip(bases.tolist(), item_lens.tolist(), strict=True))
+    if end > _UINT64_MAX + 1:
+        raise InvalidArgument(f"{what} addresses overflow 64 bits (end {end:#x})")
+
+
+def plan_blocks(
+    src_bases: IntVector,
+    dst_bases: IntVector,
+    item_lens: IntVector,
+    src_pages: npt.ArrayLike,
+    dst_pages: npt.ArrayLike,
+    *,
+    dst_item_lens: IntVector | None = None,
+) -> Blocks:
+    """Plan the transfer of ``src_pages[i] -> dst_pages[i]`` in every buffer.
+
+    One entry per (buffer, run of :func:`coalesce_runs`), buffer-major::
+
+        src    = src_bases[b] + src_start * item_lens[b]
+        dst    = dst_bases[b] + dst_start * item_lens[b]
+        length = run_len * item_lens[b]
+
+    Entries whose src and dst both start where the previous entry ends are then
+    merged (this joins buffers laid out back to back on both sides).
+    ``dst_item_lens``, if given, must equal ``item_lens`` (validation only).
+    Pages go through :func:`as_index_array`; bounds and destination uniqueness are the caller's job
+    (:func:`check_range`, :func:`check_unique`).
+    """
+    sb = _as_u64(src_bases, what="src_bases")
+    db = _as_u64(dst_bases, what="dst_bases")
+    il = _as_u64(item_lens, what="item_lens", positive=True)
+    if not sb.size == db.size == il.size:
+        raise InvalidArgument(
+            "src_bases, dst_bases and item_lens must have one entry per buffer, "
+            f"got {sb.size}, {db.size} and {il.size}"
+        )
+    if dst_item_lens is not None:
+        dil = _as_u64(dst_item_lens, what="dst_item_lens", positive=True)
+        if dil.shape != il.shape:
+            raise InvalidArgument(
+                f"dst_item_lens has {dil.size} entries, expected {il.size} (one per buffer)"
+            )
+        if not np.array_equal(dil, il):
+            b = int(np.argmax(dil != il))
+            raise InvalidArgument(
+                f"item length mismatch in buffer {b}: source {int(il[b])} != destination {int(dil[b])}"
+            )
+    sp = as_index_array(src_pages, what="src_pages")
+    dp = as_index_array(dst_pages, what="dst_pages")
+    s0, d0, n = coalesce_runs(sp, dp)
+    if il.size == 0 or n.size == 0:
+        return _empty_blocks()
+    _check_address_space(sb, il, sp, what="source")
+    _check_address_space(db, il, dp, what="destination")
+
+    # (buffers, runs) grids, raveled in C order = buffer-major.
+    col = il[:, None]
+    src = np.multiply(col, s0.astype(np.uint64))
+    src += sb[:, None]
+    dst = np.multiply(col, d0.astype(np.uint64))
+    dst += db[:, None]
+    length = np.multiply(col, n.astype(np.uint64))
+    return _merge_adjacent(src.ravel(), dst.ravel(), length.ravel())
+
+
+def plan_slots(
+    src_bases: IntVector,
+    dst_bases: IntVector,
+    item_lens: IntVector,
+    src_slots: npt.ArrayLike,
+    dst_slots: npt.ArrayLike,
+) -> Blocks:
+    """:func:`plan_blocks` for per-request slots (aux data, mamba state...)."""
+    return plan_blocks(src_bases, dst_bases, item_lens, src_slots, dst_slots)
+
+
+def split_blocks(blocks: Blocks, max_entries: int) -> list[Blocks]:
+    """Chunk ``blocks`` into consecutive views of at most ``max_entries`` entries.
+
+    Empty ``blocks`` gives an empty list.
+    """
+    if max_entries < 1:
+        raise InvalidArgument(f"max_entries must be >= 1, got {max_entries}")
+    total = len(blocks)
+    src, dst, length = blocks.src, blocks.dst, blocks.length
+    return [
+        Blocks(src[i : i + max_entries], dst[i : i + max_entries], length[i : i + max_entries])
+        for i in range(0, total, max_entries)
+    ]

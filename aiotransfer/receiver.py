@@ -1,0 +1,152 @@
+"""``KVReceiver``: the decode side of one request (room)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .errors import InvalidArgument, TransferFailed, TransferTimeout
+from .plan import as_index_array, check_range, check_unique
+from .status import KVPoll, PollLatch
+
+if TYPE_CHECKING:
+    from .manager import KVManager
+
+__all__ = ["KVReceiver"]
+
+log = logging.getLogger("aiotransfer.receiver")
+
+
+class KVReceiver:
+    """Declares where one room's pages go, then waits for every required prefill rank to report.
+
+    Created by :meth:`KVManager.receiver`. Status: Bootstrapping -> WaitingForInput (metadata sent) ->
+    Success when every required prefill rank reported Success, or Failed (sticky, with a reason).
+    """
+
+    def __init__(self, manager: KVManager, room: int, peer: str) -> None:
+        self._m = manager
+        self.room = room
+        self.peer = peer
+        self._latch = PollLatch()
+        self._status = KVPoll.Bootstrapping
+        self._reason: str | None = None
+        self._changed = asyncio.Event()
+        self._sent = False
+        self._targets: dict[str, int] = {}
+        """prefill endpoint -> prefill rank, for every rank we expect a status from."""
+        self._required = 0
+        self._succeeded: set[int] = set()
+        self.aux_index: int | None = None
+        self.state_indices: dict[str, list[int]] = {}
+        self.aux_via: list[str] = []
+
+    def __repr__(self) -> str:
+        return (
+            f"<KVReceiver room={self.room} peer={self.peer} {self.poll().name} "
+            f"responses={len(self._succeeded)}/{self._required}>"
+        )
+
+    def poll(self) -> KVPoll:
+        """Current status; the first terminal status is latched and returned forever after."""
+        return self._latch.observe(self._status)
+
+    @property
+    def failure_reason(self) -> str | None:
+        return self._reason
+
+    def _set_status(self, status: KVPoll, reason: str | None = None) -> None:
+        self._status = status
+        if status is KVPoll.Failed and self._reason is None:
+            self._reason = reason or "failed"
+        self._changed.set()
+
+    # -- public API -----------------------------------------------------------------------------
+    async def send_metadata(
+        self,
+        kv_indices: Any,
+        aux_index: int | None = None,
+        state_indices: Mapping[str, Sequence[int]] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """Tell the prefill rank(s) where to write: local page indices, aux slot and state slots.
+
+        Validated here before anything is sent: indices in range and unique, aux slot in range.
+        The first call to a peer also registers this rank's buffers with it (bounded handshake).
+        """
+        m = self._m
+        m._check_open()
+        if self._status is KVPoll.Failed:
+            raise TransferFailed(self._reason or "failed", room=self.room)
+        if self._sent:
+            raise InvalidArgument(f"room {self.room}: metadata was already sent")
+        pages = as_index_array(kv_indices, what="kv_indices")
+        check_range(pages, m.args.num_pages, what="kv_indices")
+        check_unique(pages, what="kv_indices")
+        if pages.size and int(pages.max()) >= 2**31:
+            raise InvalidArgument("kv_indices must fit in int32")
+        if aux_index is not None:
+            slots = min((b.num_items for b in m.args.aux), default=0)
+            if not m.args.aux:
+                raise InvalidArgument("aux_index given but this manager has no aux buffers")
+            if not 0 <= aux_index < slots:
+                raise InvalidArgument(f"aux_index {aux_index} out of range [0, {slots})")
+        states = m._validate_state_indices(state_indices or {})
+        t = m.config.handshake_timeout if timeout is None else timeout
+        self._sent = True
+        try:
+            await m._send_request(self, pages, aux_index, states, timeout=t)
+        except BaseException as exc:
+            self._sent = False
+            if not isinstance(exc, (InvalidArgument,)):
+                m._rx_update(self.room, KVPoll.Failed, f"metadata not delivered: {exc}")
+            raise
+        self.aux_index = aux_index
+        self.state_indices = states
+
+    async def done(self, timeout: float | None = None) -> None:
+        """Wait until every required prefill rank reported Success.
+
+        Raises :class:`TransferFailed` (``.reason`` says why, as reported by prefill) or
+        :class:`TransferTimeout` (the room is then failed and prefill is told).
+        """
+        m = self._m
+        m._check_open()
+        t = m.config.done_timeout if timeout is None else timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + t
+        while not self._status.is_terminal:
+            self._changed.clear()
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                await self.abort(f"decode gave up waiting after {t:.3g}s")
+                raise TransferTimeout(f"room {self.room}: no completion within {t:.3g}s")
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                continue
+        if self._status is KVPoll.Failed:
+            raise TransferFailed(self._reason or "failed", room=self.room)
+
+    async def abort(self, reason: str = "aborted by the decode side") -> None:
+        """Fail the room here and tell every prefill rank involved."""
+        if self._status.is_terminal:
+            return
+        self._m._rx_update(self.room, KVPoll.Failed, reason)
+        await self._m._notify_abort(self.room, list(self._targets), reason)
+
+    # -- called by the manager ------------------------------------------------------------------
+    def _on_prefill_status(self, endpoint: str, rank: int, status: KVPoll, reason: str) -> bool:
+        """Apply one prefill rank's report; returns False if that endpoint is not a target."""
+        if endpoint not in self._targets:
+            return False
+        if status is KVPoll.Failed:
+            self._m._rx_update(self.room, KVPoll.Failed, reason or "prefill reported failure")
+        elif status is KVPoll.Success:
+            self._succeeded.add(rank)
+            if len(self._succeeded) >= self._required:
+                self._m._rx_update(self.room, KVPoll.Success)
+        return True

@@ -1,0 +1,254 @@
+"""``KVSender``: the prefill side of one request (room)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import InvalidArgument, TransferFailed, TransferTimeout
+from .plan import as_index_array, check_range
+from .status import KVPoll, PollLatch
+
+if TYPE_CHECKING:
+    from .control.messages import TransferRequest
+    from .manager import KVManager, _DecodePeer
+
+__all__ = ["KVSender"]
+
+log = logging.getLogger("aiotransfer.sender")
+
+
+@dataclass
+class _Dst:
+    """One decode rank this room sends to."""
+
+    peer: _DecodePeer
+    request: TransferRequest
+    kv_indices: np.ndarray
+
+    @property
+    def is_dummy(self) -> bool:
+        return self.request.is_dummy
+
+
+class KVSender:
+    """Sends one room's KV pages (and aux/state) to the decode rank(s) that asked for it.
+
+    Created by :meth:`KVManager.sender`. Status: Bootstrapping -> WaitingForInput (all decode ranks
+    sent their page indices) -> Transferring -> Success, or Failed (sticky, with a reason that the decode
+    side receives too).
+    """
+
+    def __init__(self, manager: KVManager, room: int) -> None:
+        self._m = manager
+        self.room = room
+        self._dsts: dict[str, _Dst] = {}
+        self._required: int | None = None
+        self._num_dst_pages: int | None = None
+        self._cursor = 0
+        self._last_reserved = False
+        self._chunks_in_flight = 0
+        self._chunk_finished = asyncio.Event()
+        self._changed = asyncio.Event()
+        self._latch = PollLatch()
+        self._status = KVPoll.Bootstrapping
+        self._reason: str | None = None
+        self.bytes_sent = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"<KVSender room={self.room} {self.poll().name} dsts={len(self._dsts)}/{self._required or '?'} "
+            f"pages={self._cursor}/{self._num_dst_pages if self._num_dst_pages is not None else '?'}>"
+        )
+
+    # -- status ---------------------------------------------------------------------------------
+    def poll(self) -> KVPoll:
+        """Current status; the first terminal status is latched and returned forever after."""
+        return self._latch.observe(self._status)
+
+    @property
+    def failure_reason(self) -> str | None:
+        return self._reason
+
+    def _set_status(self, status: KVPoll, reason: str | None = None) -> None:
+        """Called by the manager's status table whenever this room's status changes."""
+        self._status = status
+        if status is KVPoll.Failed and self._reason is None:
+            self._reason = reason or "failed"
+        self._changed.set()
+
+    async def _wait_until(self, predicate: Any, timeout: float, what: str) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not predicate():
+            self._changed.clear()
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TransferTimeout(f"room {self.room}: {what} not reached within {timeout:.3g}s")
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                continue
+
+    def _raise_if_failed(self) -> None:
+        if self._status is KVPoll.Failed:
+            raise TransferFailed(self._reason or "failed", room=self.room)
+
+    # -- requests from decode (called by the manager) --------------------------------------------
+    def _add_request(self, peer: _DecodePeer, req: TransferRequest, kv_indices: np.ndarray) -> str | None:
+        """Record one decode rank's request; returns a refusal reason or None."""
+        if self._status is KVPoll.Failed or self._status is KVPoll.Success:
+            return f"room {self.room} is already {self._status.name}"
+        if self._required is None:
+            self._required = req.required_dst_info_num
+        elif req.required_dst_info_num != self._required:
+            return (
+                f"decode ranks disagree on required_dst_info_num ({req.required_dst_info_num} vs {self._required})"
+            )
+        if peer.endpoint in self._dsts:
+            return f"duplicate transfer request for room {self.room} from {peer.endpoint}"
+        if not req.is_dummy:
+            if self._num_dst_pages is None:
+                self._num_dst_pages = int(kv_indices.size)
+            elif kv_indices.size != self._num_dst_pages:
+                return f"decode ranks disagree on page count ({kv_indices.size} vs {self._num_dst_pages})"
+        self._dsts[peer.endpoint] = _Dst(peer, req, kv_indices)
+        if len(self._dsts) >= self._required:
+            if self._num_dst_pages is None:
+                self._num_dst_pages = 0
+            self._m._tx_update(self.room, KVPoll.WaitingForInput)
+        return None
+
+    @property
+    def num_pages(self) -> int | None:
+        """Destination pages declared by decode (None until ready)."""
+        return self._num_dst_pages
+
+    @property
+    def pages_remaining(self) -> int | None:
+        return None if self._num_dst_pages is None else self._num_dst_pages - self._cursor
+
+    # -- public API -----------------------------------------------------------------------------
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        """Wait until every required decode rank has sent its page indices (WaitingForInput).
+
+        On timeout the room fails (decode never spoke) and :class:`TransferTimeout` is raised.
+        """
+        self._m._check_open()
+        t = self._m.config.ready_timeout if timeout is None else timeout
+        try:
+            await self._wait_until(
+                lambda: self._status is not KVPoll.Bootstrapping, t, "WaitingForInput (decode metadata)"
+            )
+        except TransferTimeout as exc:
+            await self._fail(f"decode metadata did not arrive within {t:.3g}s")
+            raise exc
+        self._raise_if_failed()
+
+    async def send_kv(self, indices: Any, last: bool = True, *, timeout: float | None = None) -> None:
+        """Send the pages ``indices`` (local page indices) as the next chunk.
+
+        Chunks fill consecutive slices of the decode's page list. With ``last=True`` (default) the chunk
+        must complete the list; the room then concludes Success once aux/state declared by decode have
+        been delivered too. Raises :class:`InvalidArgument` before any byte moves on bad input.
+        """
+        m = self._m
+        m._check_open()
+        self._raise_if_failed()
+        if self._status is KVPoll.Bootstrapping:
+            raise InvalidArgument(f"room {self.room} is not ready: await sender.wait_ready() first")
+        if self._status is KVPoll.Success or self._last_reserved:
+            raise InvalidArgument(f"room {self.room}: the last chunk was already sent")
+        src = as_index_array(indices, what="send_kv indices")
+        check_range(src, m.args.num_pages, what="send_kv indices")
+        assert self._num_dst_pages is not None
+        remaining = self._num_dst_pages - self._cursor
+        if src.size > remaining:
+            raise InvalidArgument(
+                f"room {self.room}: chunk of {src.size} pages but only {remaining} destination pages remain"
+            )
+        if last and src.size != remaining:
+            raise InvalidArgument(
+                f"room {self.room}: last chunk has {src.size} pages but {remaining} destination pages remain"
+                " (pass last=False for an intermediate chunk)"
+            )
+        start, self._cursor = self._cursor, self._cursor + int(src.size)
+        if last:
+            self._last_reserved = True
+        t = m.config.transfer_timeout if timeout is None else timeout
+        m._tx_update(self.room, KVPoll.Transferring)
+        self._chunks_in_flight += 1
+        try:
+            await self._run_chunk(src, start, t)
+            if last:
+                await self._finish(t)
+        except TransferFailed:
+            raise
+        except BaseException as exc:
+            await self._fail_from(exc)
+            raise
+        finally:
+            self._chunks_in_flight -= 1
+            self._chunk_finished.set()
+
+    async def _run_chunk(self, src: np.ndarray, start: int, timeout: float) -> None:
+        real = [d for d in self._dsts.values() if not d.is_dummy]
+        if not real or src.size == 0:
+            return
+        coros = [
+            self._m._write_kv(d.peer, src, d.kv_indices[start : start + src.size], timeout=timeout, room=self.room)
+            for d in real
+        ]
+        if len(coros) == 1:
+            await coros[0]
+        else:
+            results = await asyncio.gather(*coros, return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+        self.bytes_sent += sum(b.item_len for b in self._m.args.kv) * int(src.size) * len(real)
+
+    async def _finish(self, timeout: float) -> None:
+        """Last chunk: wait for earlier chunks, deliver aux/state, then notify Success (same channel)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._chunks_in_flight > 1:  # our own chunk counts as one; wait for the others
+            self._chunk_finished.clear()
+            try:
+                await asyncio.wait_for(self._chunk_finished.wait(), max(deadline - loop.time(), 0))
+            except asyncio.TimeoutError:
+                raise TransferTimeout(f"room {self.room}: earlier chunks did not finish in time") from None
+        self._raise_if_failed()
+        await self._m._conclude_success(self, [d for d in self._dsts.values() if not d.is_dummy], deadline)
+
+    async def done(self, timeout: float | None = None) -> None:
+        """Wait for Success; raises :class:`TransferFailed` (with ``.reason``) or :class:`TransferTimeout`."""
+        self._m._check_open()
+        t = self._m.config.done_timeout if timeout is None else timeout
+        await self._wait_until(lambda: self._status.is_terminal, t, "a terminal status")
+        self._raise_if_failed()
+
+    async def abort(self, reason: str = "aborted by the prefill side") -> None:
+        """Fail the room here and on every decode rank that asked for it."""
+        await self._fail(reason)
+
+    # -- failure --------------------------------------------------------------------------------
+    async def _fail_from(self, exc: BaseException) -> None:
+        if isinstance(exc, asyncio.CancelledError):
+            reason = "send cancelled on the prefill side (buffers stay pinned until the engine finishes)"
+        elif isinstance(exc, TransferTimeout):
+            reason = f"transfer timed out: {exc}"
+        else:
+            reason = f"{type(exc).__name__}: {exc}"
+        await asyncio.shield(self._fail(reason))
+
+    async def _fail(self, reason: str) -> None:
+        if self._status.is_terminal:
+            return
+        log.info("room %d failed: %s", self.room, reason)
+        self._m._tx_update(self.room, KVPoll.Failed, reason)
+        await self._m._notify_failure(self.room, [d.peer.endpoint for d in self._dsts.values()], reason)

@@ -606,7 +606,7 @@ class KVManager:
             tx = self._senders.get(req.room)
             if tx is not None:
                 self._spawn(tx._fail(reason), "fail")
-            else:
+            if tx is None or req.endpoint not in tx._dsts:
                 self._spawn(self._notify_failure(req.room, [req.endpoint], reason), "refuse")
             return
         tx = self._senders.get(req.room)

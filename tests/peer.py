@@ -1,0 +1,155 @@
+"""A KVManager in its own OS process, driven by JSON-line commands on stdin (test harness).
+
+Usage: python tests/peer.py --engine mooncake_tcp --buffers 4 --pages 256 --item-len 4096 [--seed N]
+
+Each stdin line is {"id": n, "op": ..., ...}; each reply is one stdout line {"id": n, "ok": bool, ...}.
+Commands run concurrently (one task each), so a test can hold a ``done`` open while sending others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from aiotransfer import KVArgs, KVManager, TransferConfig
+from aiotransfer.errors import TransferFailed
+
+
+def make_buffers(n: int, pages: int, item_len: int, seed: int | None) -> list[np.ndarray]:
+    bufs = []
+    for b in range(n):
+        if seed is None:
+            bufs.append(np.zeros((pages, item_len), dtype=np.uint8))
+        else:
+            rng = np.random.default_rng([seed, b])
+            bufs.append(rng.integers(0, 256, size=(pages, item_len), dtype=np.uint8))
+    return bufs
+
+
+def digest(bufs: Sequence[Any], pages: list[int]) -> str:
+    h = hashlib.sha256()
+    idx = np.asarray(pages, dtype=np.int64)
+    for buf in bufs:
+        h.update(np.ascontiguousarray(buf[idx]).tobytes())
+    return h.hexdigest()
+
+
+class Peer:
+    def __init__(self, ns: argparse.Namespace) -> None:
+        self.ns = ns
+        self.kv = make_buffers(ns.buffers, ns.pages, ns.item_len, ns.seed)
+        self.aux = make_buffers(ns.aux_buffers, ns.aux_slots, ns.aux_item_len, ns.seed) if ns.aux_buffers else []
+        self.out = sys.stdout
+        self.rooms: dict[int, Any] = {}
+
+    def reply(self, msg: dict[str, Any]) -> None:
+        self.out.write(json.dumps(msg) + "\n")
+        self.out.flush()
+
+    async def handle(self, mgr: KVManager, cmd: dict[str, Any]) -> None:
+        rid = cmd.get("id")
+        op = cmd["op"]
+        try:
+            result = await getattr(self, "op_" + op)(mgr, **{k: v for k, v in cmd.items() if k not in ("id", "op")})
+            self.reply({"id": rid, "ok": True, **(result or {})})
+        except TransferFailed as exc:
+            self.reply({"id": rid, "ok": False, "error": "TransferFailed", "reason": exc.reason})
+        except Exception as exc:
+            self.reply({"id": rid, "ok": False, "error": type(exc).__name__, "reason": str(exc),
+                        "trace": traceback.format_exc()})
+
+    async def op_info(self, mgr: KVManager) -> dict[str, Any]:
+        return {"endpoint": mgr.endpoint, "describe": {k: str(v) for k, v in mgr.describe().items()}}
+
+    async def op_receiver(self, mgr: KVManager, room: int, peer: str, pages: list[int],
+                          aux_index: int | None = None, state: dict[str, list[int]] | None = None,
+                          timeout: float = 10.0) -> None:
+        rx = mgr.receiver(room, peer)
+        self.rooms[room] = rx
+        await rx.send_metadata(pages, aux_index=aux_index, state_indices=state, timeout=timeout)
+
+    async def op_done(self, mgr: KVManager, room: int, timeout: float = 30.0) -> dict[str, Any]:
+        obj = self.rooms[room]
+        await obj.done(timeout=timeout)
+        return {"status": obj.poll().name}
+
+    async def op_poll(self, mgr: KVManager, room: int) -> dict[str, Any]:
+        return {"status": self.rooms[room].poll().name}
+
+    async def op_abort(self, mgr: KVManager, room: int, reason: str = "test abort") -> None:
+        await self.rooms[room].abort(reason)
+
+    async def op_sender(self, mgr: KVManager, room: int) -> None:
+        self.rooms[room] = mgr.sender(room)
+
+    async def op_wait_ready(self, mgr: KVManager, room: int, timeout: float = 10.0) -> None:
+        await self.rooms[room].wait_ready(timeout=timeout)
+
+    async def op_send_kv(self, mgr: KVManager, room: int, pages: list[int], last: bool = True,
+                         timeout: float = 30.0) -> None:
+        await self.rooms[room].send_kv(pages, last=last, timeout=timeout)
+
+    async def op_digest(self, mgr: KVManager, pages: list[int]) -> dict[str, Any]:
+        return {"digest": digest(self.kv, pages)}
+
+    async def op_aux_digest(self, mgr: KVManager, slots: list[int]) -> dict[str, Any]:
+        return {"digest": digest(self.aux, slots)}
+
+    async def op_zero(self, mgr: KVManager) -> None:
+        for b in self.kv + self.aux:
+            b[...] = 0
+
+    async def op_stats(self, mgr: KVManager) -> dict[str, Any]:
+        return {"stats": json.loads(json.dumps(mgr.stats(), default=str))}
+
+    async def run(self) -> None:
+        cfg = TransferConfig.from_env(engine=self.ns.engine, handshake_timeout=self.ns.handshake_timeout)
+        args = KVArgs(self.kv, page_size=16, dtype="uint8", aux_buffers=self.aux)
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        async with KVManager(args, cfg) as mgr:
+            self.reply({"id": 0, "ok": True, "endpoint": mgr.endpoint})
+            tasks: set[asyncio.Task[None]] = set()
+            while True:
+                line = await reader.readline()
+                if not line:
+                    break
+                cmd = json.loads(line)
+                if cmd["op"] == "exit":
+                    break
+                t = asyncio.create_task(self.handle(mgr, cmd))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+            for t in tasks:
+                t.cancel()
+        os._exit(0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--engine", default="mooncake_tcp")
+    p.add_argument("--buffers", type=int, default=4)
+    p.add_argument("--pages", type=int, default=256)
+    p.add_argument("--item-len", type=int, default=4096)
+    p.add_argument("--aux-buffers", type=int, default=0)
+    p.add_argument("--aux-slots", type=int, default=16)
+    p.add_argument("--aux-item-len", type=int, default=64)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--handshake-timeout", type=float, default=10.0)
+    asyncio.run(Peer(p.parse_args()).run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Control plane over real zmq sockets: malformed, hostile and misdirected messages."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+
+from aiotransfer import KVArgs, KVManager, KVPoll, TransferConfig, TransferFailed
+from aiotransfer.control.messages import (
+    PROTOCOL_VERSION,
+    Hello,
+    Status,
+    TransferRequest,
+    decode,
+    encode,
+    pack_indices,
+)
+from aiotransfer.errors import ProtocolError
+from tests.conftest import GEOMETRY
+from tests.remote import RemotePeer
+
+
+async def _push(endpoint: str, frames: list[bytes]) -> None:
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(endpoint)
+    await sock.send_multipart(frames)
+    sock.close()
+    ctx.term()
+
+
+async def _wait_for(pred, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not pred():
+        assert loop.time() < end, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def test_codec_rejects_garbage_and_bad_values() -> None:
+    with pytest.raises(ProtocolError):
+        decode(b"\x00\x01garbage")
+    with pytest.raises(ProtocolError):
+        decode(encode(Status(room=1, status=9, rank=0, endpoint="x")))
+    with pytest.raises(ProtocolError):
+        decode(msgspec.msgpack.encode({"type": "req", "room": -5}))
+    with pytest.raises(ProtocolError, match="whole int32"):
+        decode(encode(TransferRequest(room=1, endpoint="e", generation=1, kv_indices=b"\x01\x02\x03")))
+    ok = TransferRequest(room=1, endpoint="e", generation=1, kv_indices=pack_indices(np.arange(4)))
+    assert decode(encode(ok)) == ok
+
+
+async def test_garbage_leaves_manager_working(prefill: KVManager, decode: RemotePeer) -> None:
+    rng = np.random.default_rng(5)
+    junk = [
+        [b""],
+        [os.urandom(64)],
+        [os.urandom(1 << 16)],
+        [b"\x81\xa4type\xa3req"],  # truncated struct
+        [encode(Status(room=1, status=4, rank=0, endpoint="tcp://1.2.3.4:1"))[:-3]],
+        [b"a", b"b", b"c"],  # wrong frame count
+        [msgspec.msgpack.encode({"type": "hello", "version": PROTOCOL_VERSION})],  # missing fields
+        [msgspec.msgpack.encode([1, 2, 3])],
+    ]
+    junk += [[bytes(rng.integers(0, 256, size=int(rng.integers(1, 300)), dtype=np.uint8))] for _ in range(50)]
+    for frames in junk:
+        await _push(prefill.endpoint, frames)
+    await _wait_for(lambda: sum(prefill.stats()["control_dropped"].values()) >= len(junk))
+    assert prefill.stats()["control_received"] == 0
+    # still works end to end
+    tx = prefill.sender(1)
+    await decode.call("receiver", room=1, peer=prefill.endpoint, pages=[3, 4])
+    await tx.wait_ready(timeout=10)
+    await tx.send_kv([9, 10])
+    await decode.call("done", room=1)
+
+
+async def test_hostile_request_indices_fail_the_room_on_both_sides(prefill: KVManager) -> None:
+    """A registered decode asking for pages beyond what it registered is refused with a reason."""
+    peer = await RemotePeer.start("mooncake_tcp", **GEOMETRY)
+    try:
+        tx = prefill.sender(2)
+        await peer.call("receiver", room=2, peer=prefill.endpoint, pages=[1])  # registers, room 2 is fine
+        await tx.wait_ready(timeout=10)
+        registered = next(iter(prefill._decode_peers.values()))
+        # now forge a request for room 3 from that decode's endpoint, pointing past its buffers
+        forged = TransferRequest(
+            room=3, endpoint=registered.endpoint, generation=registered.hello.generation,
+            kv_indices=pack_indices(np.array([GEOMETRY["pages"] + 10])),
+        )
+        tx3 = prefill.sender(3)
+        await _push(prefill.endpoint, [encode(forged)])
+        await _wait_for(lambda: prefill.stats().get("dropped_invalid-request", 0) == 1)
+        assert tx3.poll() is KVPoll.Failed
+        assert "invalid transfer request" in (tx3.failure_reason or "")
+        assert "out of range" in (tx3.failure_reason or "")
+        # the decode endpoint was told (it has no receiver for room 3, so it counts the status as unknown)
+        for _ in range(500):
+            if (await peer.call("stats"))["stats"].get("dropped_unknown-room", 0) == 1:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("decode never received the failure status")
+        await tx.send_kv([5])
+        await peer.call("done", room=2)
+    finally:
+        await peer.close()
+
+
+async def test_forged_status_from_wrong_peer_is_ignored(prefill: KVManager) -> None:
+    cfg = TransferConfig(engine="mooncake_tcp")
+    dst = [np.zeros((GEOMETRY["pages"], GEOMETRY["item_len"]), np.uint8) for _ in range(GEOMETRY["buffers"])]
+    async with KVManager(KVArgs(dst, page_size=16, dtype="uint8"), cfg) as dec:
+        rx = dec.receiver(5, prefill.endpoint)
+        tx = prefill.sender(5)
+        await rx.send_metadata([1, 2])
+        await tx.wait_ready(timeout=10)
+        forged = Status(room=5, status=int(KVPoll.Success), rank=0, endpoint="tcp://127.0.0.1:1")
+        await _push(dec.endpoint, [encode(forged)])
+        await _wait_for(lambda: dec.stats().get("dropped_wrong-peer", 0) == 1)
+        assert rx.poll() is KVPoll.WaitingForInput
+        forged_fail = Status(room=99, status=int(KVPoll.Failed), rank=0, endpoint=prefill.endpoint, reason="x")
+        await _push(dec.endpoint, [encode(forged_fail)])
+        await _wait_for(lambda: dec.stats().get("dropped_unknown-room", 0) == 1)
+        await tx.send_kv([3, 4])
+        await rx.done(timeout=10)
+        # a late status for the concluded room does nothing
+        await _push(dec.endpoint, [encode(Status(room=5, status=0, rank=0, endpoint=prefill.endpoint))])
+        await _wait_for(lambda: dec.stats().get("dropped_unknown-room", 0) == 2)
+        assert rx.poll() is KVPoll.Success
+
+
+async def test_incompatible_peer_is_refused_at_registration(prefill: KVManager) -> None:
+    peer = await RemotePeer.start("mooncake_tcp", buffers=GEOMETRY["buffers"], pages=64, item_len=2048)
+    try:
+        with pytest.raises(Exception, match="KV item length mismatch at buffer 0: peer 2048"):
+            await peer.call("receiver", room=1, peer=prefill.endpoint, pages=[1])
+        assert prefill.stats()["peers_refused"] == 1
+    finally:
+        await peer.close()
+
+
+async def test_unregistered_requester_is_refused(prefill: KVManager) -> None:
+    cfg = TransferConfig(engine="mooncake_tcp")
+    dst = [np.zeros((GEOMETRY["pages"], GEOMETRY["item_len"]), np.uint8) for _ in range(GEOMETRY["buffers"])]
+    async with KVManager(KVArgs(dst, page_size=16, dtype="uint8"), cfg) as dec:
+        rx = dec.receiver(6, prefill.endpoint)
+        # skip registration: a raw request straight to the prefill
+        req = TransferRequest(room=6, endpoint=dec.endpoint, generation=1, kv_indices=pack_indices(np.arange(2)))
+        rx._targets = {prefill.endpoint: 0}
+        rx._required = 1
+        await _push(prefill.endpoint, [encode(req)])
+        with pytest.raises(TransferFailed, match="unregistered decode rank"):
+            await rx.done(timeout=5)
+
+
+async def test_hello_with_wrong_version_is_dropped(prefill: KVManager) -> None:
+    h = Hello(version=PROTOCOL_VERSION + 1, endpoint="tcp://127.0.0.1:9", generation=1, engine="mooncake",
+              session_id="x", engine_info=b"", probe_addr=1, compat="x", kv=[])
+    await _push(prefill.endpoint, [encode(h)])
+    await _wait_for(lambda: sum(prefill.stats()["control_dropped"].values()) == 1)

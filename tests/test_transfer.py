@@ -1,0 +1,272 @@
+"""End-to-end transfers through a real engine, prefill in this process, decode in another OS process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from aiotransfer import InvalidArgument, KVManager, KVPoll, TransferFailed, TransferTimeout
+from tests.conftest import GEOMETRY, expected_digest
+from tests.remote import RemoteError, RemotePeer
+
+PAGES = GEOMETRY["pages"]
+
+
+def scattered(rng: np.random.Generator, n: int) -> list[int]:
+    return [int(x) for x in rng.permutation(PAGES)[:n]]
+
+
+async def test_single_send_is_byte_exact(prefill: KVManager, decode: RemotePeer) -> None:
+    rng = np.random.default_rng(1)
+    dst, src = scattered(rng, 40), scattered(rng, 40)
+    tx = prefill.sender(7)
+    assert tx.poll() is KVPoll.Bootstrapping
+    await decode.call("receiver", room=7, peer=prefill.endpoint, pages=dst)
+    await tx.wait_ready(timeout=10)
+    assert tx.poll() is KVPoll.WaitingForInput
+    await tx.send_kv(src)
+    await tx.done(timeout=10)
+    assert (await decode.call("done", room=7))["status"] == "Success"
+    got = (await decode.call("digest", pages=dst))["digest"]
+    assert got == expected_digest(prefill.args.kv_buffers, src)
+    assert tx.poll() is KVPoll.Success
+
+
+async def test_chunked_send_fills_consecutive_slices(prefill: KVManager, decode: RemotePeer) -> None:
+    rng = np.random.default_rng(2)
+    dst, src = scattered(rng, 100), scattered(rng, 100)
+    tx = prefill.sender(8)
+    await decode.call("receiver", room=8, peer=prefill.endpoint, pages=dst)
+    await tx.wait_ready(timeout=10)
+    await tx.send_kv(src[:30], last=False)
+    assert tx.pages_remaining == 70
+    await tx.send_kv(src[30:31], last=False)
+    await tx.send_kv(src[31:])
+    await tx.done(timeout=10)
+    await decode.call("done", room=8)
+    got = (await decode.call("digest", pages=dst))["digest"]
+    assert got == expected_digest(prefill.args.kv_buffers, src)
+
+
+async def test_contiguous_runs_are_coalesced(prefill: KVManager, decode: RemotePeer) -> None:
+    dst = list(range(100, 164))
+    src = list(range(10, 74))
+    tx = prefill.sender(9)
+    await decode.call("receiver", room=9, peer=prefill.endpoint, pages=dst)
+    await tx.wait_ready(timeout=10)
+    before = prefill.stats().get("kv_entries_sent", 0)
+    await tx.send_kv(src)
+    assert prefill.stats()["kv_entries_sent"] - before == GEOMETRY["buffers"]  # one entry per buffer
+    await decode.call("done", room=9)
+    assert (await decode.call("digest", pages=dst))["digest"] == expected_digest(
+        prefill.args.kv_buffers, src
+    )
+
+
+async def test_concurrent_rooms(prefill: KVManager, decode: RemotePeer) -> None:
+    rng = np.random.default_rng(3)
+    perm_dst = rng.permutation(PAGES)
+    perm_src = rng.permutation(PAGES)
+    rooms = list(range(100, 108))
+    plans = {
+        room: ([int(x) for x in perm_dst[i * 30 : (i + 1) * 30]], [int(x) for x in perm_src[i * 30 : (i + 1) * 30]])
+        for i, room in enumerate(rooms)
+    }
+
+    async def one(room: int) -> None:
+        dst, src = plans[room]
+        tx = prefill.sender(room)
+        await decode.call("receiver", room=room, peer=prefill.endpoint, pages=dst)
+        await tx.wait_ready(timeout=10)
+        await tx.send_kv(src[:10], last=False)
+        await tx.send_kv(src[10:])
+        await decode.call("done", room=room)
+
+    await asyncio.gather(*(one(r) for r in rooms))
+    for room in rooms:
+        dst, src = plans[room]
+        got = (await decode.call("digest", pages=dst))["digest"]
+        assert got == expected_digest(prefill.args.kv_buffers, src)
+    assert prefill.stats()["senders_active"] == 0
+
+
+async def test_metadata_before_sender_exists(prefill: KVManager, decode: RemotePeer) -> None:
+    """Decode may speak first: the request is held until the prefill creates the room."""
+    await decode.call("receiver", room=11, peer=prefill.endpoint, pages=[1, 2, 3])
+    for _ in range(200):
+        if prefill.stats()["pending_requests"]:
+            break
+        await asyncio.sleep(0.01)
+    tx = prefill.sender(11)
+    assert tx.poll() is KVPoll.WaitingForInput
+    await tx.send_kv([4, 5, 6])
+    await decode.call("done", room=11)
+
+
+# -- bad input: a clear error before any byte moves ------------------------------------------------
+
+
+async def _ready_room(prefill: KVManager, decode: RemotePeer, room: int, dst: list[int]):
+    await decode.call("zero")
+    tx = prefill.sender(room)
+    await decode.call("receiver", room=room, peer=prefill.endpoint, pages=dst)
+    await tx.wait_ready(timeout=10)
+    return tx
+
+
+async def test_index_out_of_range_moves_nothing(prefill: KVManager, decode: RemotePeer) -> None:
+    dst = [0, 1, 2]
+    tx = await _ready_room(prefill, decode, 20, dst)
+    zero = (await decode.call("digest", pages=dst))["digest"]
+    with pytest.raises(InvalidArgument, match="out of range"):
+        await tx.send_kv([0, 1, PAGES])
+    with pytest.raises(InvalidArgument, match="negative"):
+        await tx.send_kv([0, -1, 2])
+    assert (await decode.call("digest", pages=dst))["digest"] == zero
+    assert tx.poll() is KVPoll.WaitingForInput  # the room is intact: a valid send still works
+    await tx.send_kv([5, 6, 7])
+    await decode.call("done", room=20)
+
+
+async def test_chunk_length_mismatch(prefill: KVManager, decode: RemotePeer) -> None:
+    tx = await _ready_room(prefill, decode, 21, [0, 1, 2, 3])
+    with pytest.raises(InvalidArgument, match="last chunk has 3 pages but 4"):
+        await tx.send_kv([0, 1, 2])
+    with pytest.raises(InvalidArgument, match="only 4 destination pages remain"):
+        await tx.send_kv([0, 1, 2, 3, 4], last=False)
+    await tx.send_kv([0, 1], last=False)
+    with pytest.raises(InvalidArgument, match="only 2 destination pages remain"):
+        await tx.send_kv([0, 1, 2], last=False)
+    await tx.send_kv([2, 3])
+    with pytest.raises(InvalidArgument, match="last chunk was already sent"):
+        await tx.send_kv([])
+    await decode.call("done", room=21)
+
+
+async def test_unknown_and_duplicate_rooms(prefill: KVManager, decode: RemotePeer) -> None:
+    prefill.sender(30)
+    with pytest.raises(InvalidArgument, match="duplicate room 30"):
+        prefill.sender(30)
+    with pytest.raises(InvalidArgument, match="room must be an integer"):
+        prefill.sender(-1)
+    with pytest.raises(InvalidArgument, match="room must be an integer"):
+        prefill.sender("x")  # type: ignore[arg-type]
+    tx = prefill.sender(31)
+    with pytest.raises(InvalidArgument, match="not ready"):
+        await tx.send_kv([1])
+    # a status for a room the decode never opened is dropped and counted, not applied
+    with pytest.raises(RemoteError, match="duplicate room"):
+        await decode.call("receiver", room=32, peer=prefill.endpoint, pages=[1])
+        await decode.call("receiver", room=32, peer=prefill.endpoint, pages=[2])
+
+
+async def test_decode_side_validation(prefill: KVManager, decode: RemotePeer) -> None:
+    with pytest.raises(RemoteError, match="out of range"):
+        await decode.call("receiver", room=40, peer=prefill.endpoint, pages=[PAGES + 5])
+    with pytest.raises(RemoteError, match="must not repeat"):
+        await decode.call("receiver", room=41, peer=prefill.endpoint, pages=[3, 3])
+    with pytest.raises(RemoteError, match="aux_index given but this manager has no aux buffers"):
+        await decode.call("receiver", room=42, peer=prefill.endpoint, pages=[3], aux_index=0)
+
+
+async def test_wrong_peer_is_a_bounded_clear_error(decode: RemotePeer) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port with nothing aiotransfer behind it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        with pytest.raises(RemoteError, match="no registration answer") as info:
+            await decode.call("receiver", room=50, peer=f"127.0.0.1:{port}", pages=[1], timeout=1.0)
+    assert info.value.error == "PeerError"
+    with pytest.raises(RemoteError, match="must be 'host:port'"):
+        await decode.call("receiver", room=51, peer="nonsense", pages=[1])
+
+
+# -- status rules through the real stack --------------------------------------------------------
+
+
+async def test_decode_abort_fails_both_sides(prefill: KVManager, decode: RemotePeer) -> None:
+    tx = prefill.sender(60)
+    await decode.call("receiver", room=60, peer=prefill.endpoint, pages=[1, 2])
+    await tx.wait_ready(timeout=10)
+    await decode.call("abort", room=60, reason="client went away")
+    with pytest.raises(TransferFailed, match="aborted by decode: client went away"):
+        await tx.done(timeout=5)
+    assert tx.poll() is KVPoll.Failed
+    with pytest.raises(TransferFailed):
+        await tx.send_kv([1, 2])
+    assert (await decode.call("poll", room=60))["status"] == "Failed"
+
+
+async def test_prefill_abort_reaches_decode_with_reason(prefill: KVManager, decode: RemotePeer) -> None:
+    tx = prefill.sender(61)
+    await decode.call("receiver", room=61, peer=prefill.endpoint, pages=[1, 2])
+    await tx.wait_ready(timeout=10)
+    await tx.abort("prefill evicted the request")
+    with pytest.raises(RemoteError, match="prefill evicted the request") as info:
+        await decode.call("done", room=61, timeout=5)
+    assert info.value.error == "TransferFailed"
+    assert tx.poll() is KVPoll.Failed
+
+
+async def test_wait_ready_timeout_fails_the_room(prefill: KVManager) -> None:
+    tx = prefill.sender(62)
+    with pytest.raises(TransferTimeout):
+        await tx.wait_ready(timeout=0.2)
+    assert tx.poll() is KVPoll.Failed
+    assert "did not arrive" in (tx.failure_reason or "")
+    # the room id is free again
+    prefill.sender(62)
+
+
+async def test_done_timeout_aborts_prefill(prefill: KVManager, decode: RemotePeer) -> None:
+    tx = prefill.sender(63)
+    await decode.call("receiver", room=63, peer=prefill.endpoint, pages=[1])
+    await tx.wait_ready(timeout=10)
+    with pytest.raises(RemoteError) as info:
+        await decode.call("done", room=63, timeout=0.3)
+    assert info.value.error == "TransferTimeout"
+    with pytest.raises(TransferFailed, match="decode gave up"):
+        await tx.done(timeout=5)
+
+
+async def test_poll_latches_first_terminal_status(prefill: KVManager, decode: RemotePeer) -> None:
+    tx = prefill.sender(64)
+    seen = [tx.poll()]
+    await decode.call("receiver", room=64, peer=prefill.endpoint, pages=[1])
+    await tx.wait_ready(timeout=10)
+    seen.append(tx.poll())
+    await tx.send_kv([2])
+    seen.append(tx.poll())
+    await tx.abort("too late")  # a terminal room ignores later failures
+    seen.append(tx.poll())
+    assert seen == [KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Success, KVPoll.Success]
+    await decode.call("done", room=64)
+
+
+async def test_reverse_direction_remote_prefill_local_decode(engine: str) -> None:
+    """The other pairing: KVSender in the child process, KVReceiver here."""
+    from aiotransfer import KVArgs, TransferConfig
+    from tests.peer import make_buffers
+
+    peer = await RemotePeer.start(engine, seed=99, **GEOMETRY)
+    try:
+        dst = make_buffers(GEOMETRY["buffers"], PAGES, GEOMETRY["item_len"], None)
+        async with KVManager(KVArgs(dst, page_size=16, dtype="uint8"), TransferConfig(engine=engine)) as dec:
+            rng = np.random.default_rng(11)
+            d_pages, s_pages = scattered(rng, 50), scattered(rng, 50)
+            await peer.call("sender", room=70)
+            rx = dec.receiver(70, peer.endpoint)
+            await rx.send_metadata(d_pages)
+            assert rx.poll() is KVPoll.WaitingForInput
+            await peer.call("wait_ready", room=70)
+            await peer.call("send_kv", room=70, pages=s_pages[:25], last=False)
+            await peer.call("send_kv", room=70, pages=s_pages[25:])
+            await rx.done(timeout=10)
+            assert rx.poll() is KVPoll.Success
+            expected = (await peer.call("digest", pages=s_pages))["digest"]
+            assert expected_digest(dst, d_pages) == expected
+    finally:
+        await peer.close()

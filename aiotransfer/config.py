@@ -11,7 +11,7 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["AuxPath", "TransferConfig"]
+__all__ = ["AuxPath", "TransferConfig", "aux_tcp_forced"]
 
 ENV_PREFIX = "AIOTRANSFER_"
 
@@ -54,7 +54,7 @@ class TransferConfig:
     device_id: int | None = None
     """Accelerator device of this rank; set before the engine is created, and on executor threads."""
 
-    aux_path: AuxPath = AuxPath.AUTO
+    aux_path: AuxPath | str = AuxPath.AUTO
     custom_mem_pool: str | None = None
     """``NVLINK``, ``INTRA_NODE_NVLINK`` or ``BAREX`` when KV lives in a custom pool (drives aux path)."""
 
@@ -147,6 +147,12 @@ class TransferConfig:
             values["aux_path"] = AuxPath.TCP
         values.update(overrides)
         return cls(**values)
+
+
+def aux_tcp_forced(env: Mapping[str, str] | None = None) -> bool:
+    """``AIOTRANSFER_SEND_AUX_TCP=1`` forces the TCP aux path, whatever the config says."""
+    env = os.environ if env is None else env
+    return _truthy(env.get(ENV_PREFIX + "SEND_AUX_TCP"))
 
 
 def _truthy(raw: str | None) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import secrets
 import time
@@ -16,8 +17,9 @@ import numpy as np
 
 from ._offload import Offloader
 from ._poller import Poller
-from .args import KVArgs
-from .config import TransferConfig
+from .args import Buffer, KVArgs
+from .aux import StateType, select_aux_path
+from .config import AuxPath, TransferConfig, aux_tcp_forced
 from .control.endpoint import ControlPlane, normalize_endpoint
 from .control.messages import (
     PROTOCOL_VERSION,
@@ -46,7 +48,7 @@ from .errors import (
     TransferFailed,
     TransferTimeout,
 )
-from .plan import Blocks, check_range, check_unique, plan_blocks
+from .plan import Blocks, as_index_array, check_range, check_unique, plan_blocks
 from .receiver import KVReceiver
 from .sender import KVSender
 from .status import KVPoll, StatusTable
@@ -69,6 +71,9 @@ class _DecodePeer:
     kv_item_lens: np.ndarray
     num_pages: int
     aux_slots: int
+    aux_bases: np.ndarray
+    state: dict[str, tuple[np.ndarray, int]]
+    """kind -> (buffer bases, items addressable in every buffer of that kind)"""
 
     @property
     def session_id(self) -> str:
@@ -126,6 +131,13 @@ class KVManager:
         self._kv_bases = np.array([b.ptr for b in args.kv], dtype=np.uint64)
         self._kv_item_lens = np.array([b.item_len for b in args.kv], dtype=np.uint64)
         self._compat = args.compat_hash()
+        self._aux_bases = np.array([b.ptr for b in args.aux], dtype=np.uint64)
+        self._aux_item_lens = np.array([b.item_len for b in args.aux], dtype=np.uint64)
+        self.aux_path = select_aux_path(
+            self.config.aux_path, self.config.custom_mem_pool, env_force_tcp=aux_tcp_forced()
+        )
+        """The aux path this manager uses (``ENGINE`` may still fall back to TCP on ``auto``)."""
+        self._aux_fallback_logged = False
         self._senders: dict[int, KVSender] = {}
         self._receivers: dict[int, KVReceiver] = {}
         self._tx_status = StatusTable(on_change=self._on_tx_change)
@@ -408,15 +420,22 @@ class KVManager:
         self._prefill_peers[endpoint] = peer
         return peer
 
-    def _validate_state_indices(self, states: Mapping[str, Sequence[int]]) -> dict[str, list[int]]:
+    def _validate_state_indices(
+        self, states: Mapping[Any, Sequence[int]], role: str = "send_metadata"
+    ) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
-        for kind, idx in states.items():
-            bufs = self.args.state.get(str(kind))
+        for key, idx in states.items():
+            kind = key.value if isinstance(key, StateType) else str(key)
+            bufs = self.args.state.get(kind)
             if not bufs:
-                raise InvalidArgument(f"state indices for {kind!r} but no such state buffers are registered")
-            arr = np.asarray(list(idx), dtype=np.int64)
+                raise InvalidArgument(f"{role}: state indices for {kind!r} but no such state buffers are registered")
+            arr = as_index_array(idx, what=f"{kind} state indices")
             check_range(arr, min(b.num_items for b in bufs), what=f"{kind} state indices")
-            out[str(kind)] = [int(v) for v in arr]
+            if StateType.slot_based(kind) and arr.size != 1:
+                raise InvalidArgument(f"{role}: {kind} state takes exactly one slot per request, got {arr.size}")
+            if not StateType.slot_based(kind):
+                check_unique(arr, what=f"{kind} state indices")
+            out[kind] = [int(v) for v in arr]
         return out
 
     async def _send_request(
@@ -471,12 +490,61 @@ class KVManager:
         self.counters["kv_bytes_sent"] += blocks.nbytes
         self.counters["kv_entries_sent"] += len(blocks)
 
+    async def _write_state(
+        self, peer: _DecodePeer, kind: str, src: np.ndarray, dst: np.ndarray, *, timeout: float, room: int
+    ) -> None:
+        assert self._poller is not None
+        bufs = self.args.state[kind]
+        remote = peer.state.get(kind)
+        if remote is None:
+            raise TransferFailed(f"decode {peer.endpoint} registered no {kind} state buffers", room=room)
+        bases = np.array([b.ptr for b in bufs], dtype=np.uint64)
+        lens = np.array([b.item_len for b in bufs], dtype=np.uint64)
+        blocks = plan_blocks(bases, remote[0], lens, src, dst)
+        try:
+            await self._poller.write(peer.session_id, blocks, timeout=timeout)
+        except EngineError as exc:
+            raise TransferFailed(f"{kind} state transfer to {peer.endpoint} failed: {exc}", room=room) from exc
+        self.counters[f"state_{kind}_bytes_sent"] += blocks.nbytes
+
+    async def _send_aux(self, peer: _DecodePeer, room: int, src_slot: int, dst_slot: int, timeout: float) -> str:
+        """Deliver one aux slot to ``peer``; returns the path used (``engine`` or ``tcp``)."""
+        assert self._poller is not None
+        if self.aux_path is AuxPath.ENGINE:
+            blocks = plan_blocks(
+                self._aux_bases, peer.aux_bases, self._aux_item_lens, np.array([src_slot]), np.array([dst_slot])
+            )
+            try:
+                await self._poller.write(peer.session_id, blocks, timeout=timeout)
+                self.counters["aux_engine"] += 1
+                log.debug("room %d: aux slot %d -> %s slot %d via engine", room, src_slot, peer.endpoint, dst_slot)
+                return "engine"
+            except (EngineError, TransferTimeout) as exc:
+                if self.config.aux_path is not AuxPath.AUTO:
+                    raise TransferFailed(f"aux transfer to {peer.endpoint} failed: {exc}", room=room) from exc
+                self.counters["aux_fallback"] += 1
+                if not self._aux_fallback_logged:
+                    self._aux_fallback_logged = True
+                    log.warning("aux via the engine failed (%s); falling back to TCP (logged once)", exc)
+        await self._send_aux_tcp(peer, room, src_slot, dst_slot, timeout)
+        self.counters["aux_tcp"] += 1
+        log.debug("room %d: aux slot %d -> %s slot %d via tcp", room, src_slot, peer.endpoint, dst_slot)
+        return "tcp"
+
+    async def _send_aux_tcp(self, peer: _DecodePeer, room: int, src_slot: int, dst_slot: int, timeout: float) -> None:
+        assert self._control is not None
+        for i, buf in enumerate(self.args.aux):
+            data = _read_bytes(buf, src_slot)
+            msg = AuxData(room=room, buffer=i, index=dst_slot, data=data, endpoint=self.endpoint)
+            await self._control.send(peer.endpoint, msg, timeout=timeout)
+
     async def _conclude_success(self, tx: KVSender, dsts: list[Any], deadline: float) -> None:
         """Aux/state are delivered before this; then Success goes to every real decode rank."""
         assert self._control is not None
         loop = asyncio.get_running_loop()
         for d in dsts:
-            msg = Status(room=tx.room, status=int(KVPoll.Success), rank=self._rank_id(), endpoint=self.endpoint)
+            msg = Status(room=tx.room, status=int(KVPoll.Success), rank=self._rank_id(), endpoint=self.endpoint,
+                         aux_path=tx.aux_path or "")
             await self._control.send(d.peer.endpoint, msg, timeout=max(deadline - loop.time(), 0.001))
         self._tx_update(tx.room, KVPoll.Success)
 
@@ -531,6 +599,19 @@ class KVManager:
         if theirs != ours:
             first = next(i for i, (x, y) in enumerate(zip(theirs, ours, strict=True)) if x != y)
             return f"KV item length mismatch at buffer {first}: peer {theirs[first]} bytes/page, ours {ours[first]}"
+        if hello.aux and a.aux:
+            theirs = [b.item_len for b in hello.aux]
+            ours = [b.item_len for b in a.aux]
+            if theirs != ours:
+                return f"aux buffers mismatch: peer item lengths {theirs}, ours {ours}"
+        for spec in hello.state:
+            local = a.state.get(spec.kind)
+            if local is None:
+                continue
+            theirs = [b.item_len for b in spec.buffers]
+            ours = [b.item_len for b in local]
+            if theirs != ours:
+                return f"{spec.kind} state buffers mismatch: peer item lengths {theirs}, ours {ours}"
         return None
 
     async def _on_hello(self, hello: Hello) -> None:
@@ -551,11 +632,19 @@ class KVManager:
                 item_lens = np.array([b.item_len for b in hello.kv], dtype=np.uint64)
                 num_pages = min((b.nbytes // b.item_len for b in hello.kv), default=0)
                 aux_slots = min((b.nbytes // b.item_len for b in hello.aux), default=0)
+                aux_bases = np.array([b.ptr for b in hello.aux], dtype=np.uint64)
+                state = {
+                    s.kind: (
+                        np.array([b.ptr for b in s.buffers], dtype=np.uint64),
+                        min((b.nbytes // b.item_len for b in s.buffers), default=0),
+                    )
+                    for s in hello.state
+                }
                 old = self._decode_peers.get(hello.endpoint)
                 if old is not None and old.hello.generation != hello.generation:
                     self.counters["decode_peer_restarts"] += 1
                 self._decode_peers[hello.endpoint] = _DecodePeer(
-                    hello.endpoint, hello, kv_bases, item_lens, num_pages, aux_slots
+                    hello.endpoint, hello, kv_bases, item_lens, num_pages, aux_slots, aux_bases, state
                 )
             else:
                 self.counters["peers_refused"] += 1
@@ -598,8 +687,7 @@ class KVManager:
             if not req.is_dummy:
                 check_range(idx, peer.num_pages, what="destination kv indices")
                 check_unique(idx, what="destination kv indices")
-            if req.aux_index >= 0 and req.aux_index >= max(peer.aux_slots, 0) and peer.hello.aux:
-                raise InvalidArgument(f"aux index {req.aux_index} out of range of the decode's {peer.aux_slots} slots")
+            self._check_request_extras(peer, req)
         except (InvalidArgument, ProtocolError) as exc:
             self._drop("invalid-request", str(exc))
             reason = f"invalid transfer request: {exc}"
@@ -614,6 +702,26 @@ class KVManager:
             self._stash(req.room, peer, req, idx)
             return
         self._accept_request(tx, peer, req, idx)
+
+    def _check_request_extras(self, peer: _DecodePeer, req: TransferRequest) -> None:
+        """Aux/state declarations against what the decode registered and what we can send."""
+        if req.aux_index >= 0:
+            if not self.args.aux:
+                raise InvalidArgument("decode declared an aux slot but this prefill has no aux buffers")
+            if not peer.hello.aux:
+                raise InvalidArgument("decode declared an aux slot but registered no aux buffers")
+            if req.aux_index >= peer.aux_slots:
+                raise InvalidArgument(f"aux index {req.aux_index} out of range of the decode's {peer.aux_slots} slots")
+        for kind, idx in req.state_indices.items():
+            if kind not in self.args.state:
+                raise InvalidArgument(f"decode declared {kind} state but this prefill has no {kind} state buffers")
+            remote = peer.state.get(kind)
+            if remote is None:
+                raise InvalidArgument(f"decode declared {kind} state but registered no {kind} state buffers")
+            if idx and max(idx) >= remote[1]:
+                raise InvalidArgument(f"{kind} state index {max(idx)} out of range of the decode's {remote[1]} slots")
+            if StateType.slot_based(kind) and len(idx) != 1:
+                raise InvalidArgument(f"{kind} state takes exactly one slot per request, got {len(idx)}")
 
     def _accept_request(self, tx: KVSender, peer: _DecodePeer, req: TransferRequest, idx: np.ndarray) -> None:
         reason = tx._add_request(peer, req, idx)
@@ -640,7 +748,7 @@ class KVManager:
         if rx is None:
             self._drop("unknown-room", f"status for room {msg.room}")
             return
-        if not rx._on_prefill_status(msg.endpoint, msg.rank, KVPoll(msg.status), msg.reason):
+        if not rx._on_prefill_status(msg.endpoint, msg.rank, KVPoll(msg.status), msg.reason, msg.aux_path):
             self._drop("wrong-peer", f"status for room {msg.room} from {msg.endpoint}")
 
     def _on_abort(self, msg: Abort) -> None:
@@ -657,4 +765,30 @@ class KVManager:
         self._drop("unknown-room", f"abort for room {msg.room}")
 
     def _on_aux(self, msg: AuxData) -> None:
-        self._drop("unsupported", "aux data")
+        """Decode side of the TCP aux path: write the bytes in place, only into the declared slot."""
+        rx = self._receivers.get(msg.room)
+        if rx is None:
+            self._drop("unknown-room", f"aux for room {msg.room}")
+            return
+        if msg.endpoint not in rx._targets:
+            self._drop("wrong-peer", f"aux for room {msg.room} from {msg.endpoint}")
+            return
+        if rx.aux_index is None or msg.index != rx.aux_index or msg.buffer >= len(self.args.aux):
+            self._drop("invalid-aux", f"aux for room {msg.room}: buffer {msg.buffer} slot {msg.index}")
+            return
+        buf = self.args.aux[msg.buffer]
+        if len(msg.data) != buf.item_len:
+            self._drop("invalid-aux", f"aux for room {msg.room}: {len(msg.data)} bytes, slot holds {buf.item_len}")
+            return
+        _write_bytes(buf, msg.index, msg.data)
+        rx._aux_received.add(msg.buffer)
+        self.counters["aux_tcp_received"] += 1
+
+
+def _read_bytes(buf: Buffer, slot: int) -> bytes:
+    """Copy one slot out of host memory (aux buffers on the TCP path live in host memory)."""
+    return ctypes.string_at(buf.ptr + buf.item_len * slot, buf.item_len)
+
+
+def _write_bytes(buf: Buffer, slot: int, data: bytes) -> None:
+    ctypes.memmove(buf.ptr + buf.item_len * slot, data, len(data))

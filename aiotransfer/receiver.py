@@ -41,7 +41,9 @@ class KVReceiver:
         self._succeeded: set[int] = set()
         self.aux_index: int | None = None
         self.state_indices: dict[str, list[int]] = {}
-        self.aux_via: list[str] = []
+        self.aux_path: str | None = None
+        """How the aux arrived (``engine`` / ``tcp``), as reported with Success."""
+        self._aux_received: set[int] = set()
 
     def __repr__(self) -> str:
         return (
@@ -139,13 +141,17 @@ class KVReceiver:
         await self._m._notify_abort(self.room, list(self._targets), reason)
 
     # -- called by the manager ------------------------------------------------------------------
-    def _on_prefill_status(self, endpoint: str, rank: int, status: KVPoll, reason: str) -> bool:
+    def _on_prefill_status(
+        self, endpoint: str, rank: int, status: KVPoll, reason: str, aux_path: str = ""
+    ) -> bool:
         """Apply one prefill rank's report; returns False if that endpoint is not a target."""
         if endpoint not in self._targets:
             return False
         if status is KVPoll.Failed:
             self._m._rx_update(self.room, KVPoll.Failed, reason or "prefill reported failure")
         elif status is KVPoll.Success:
+            if aux_path:
+                self.aux_path = aux_path
             self._succeeded.add(rank)
             if len(self._succeeded) >= self._required:
                 self._m._rx_update(self.room, KVPoll.Success)

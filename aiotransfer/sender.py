@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +58,12 @@ class KVSender:
         self._latch = PollLatch()
         self._status = KVPoll.Bootstrapping
         self._reason: str | None = None
+        self._kv_done = False
+        self._aux_sent = False
+        self._state_sent = False
+        self._concluding = False
+        self.aux_path: str | None = None
+        """Path the aux took (``engine`` / ``tcp``), once sent."""
         self.bytes_sent = 0
 
     def __repr__(self) -> str:
@@ -132,6 +139,23 @@ class KVSender:
     def pages_remaining(self) -> int | None:
         return None if self._num_dst_pages is None else self._num_dst_pages - self._cursor
 
+    def _real_dsts(self) -> list[_Dst]:
+        return [d for d in self._dsts.values() if not d.is_dummy]
+
+    @property
+    def needs_aux(self) -> bool:
+        """Decode declared an aux slot: Success waits for :meth:`send_aux`."""
+        return any(d.request.aux_index >= 0 for d in self._real_dsts())
+
+    @property
+    def declared_state(self) -> dict[str, int]:
+        """State kinds decode declared, with the number of indices for each."""
+        out: dict[str, int] = {}
+        for d in self._real_dsts():
+            for kind, idx in d.request.state_indices.items():
+                out[kind] = len(idx)
+        return out
+
     # -- public API -----------------------------------------------------------------------------
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Wait until every required decode rank has sent its page indices (WaitingForInput).
@@ -186,7 +210,8 @@ class KVSender:
             await self._run_chunk(src, start, t)
             if last:
                 await self._finish(t)
-        except TransferFailed:
+        except TransferFailed as exc:
+            await asyncio.shield(self._fail(exc.reason))
             raise
         except BaseException as exc:
             await self._fail_from(exc)
@@ -223,7 +248,104 @@ class KVSender:
             except asyncio.TimeoutError:
                 raise TransferTimeout(f"room {self.room}: earlier chunks did not finish in time") from None
         self._raise_if_failed()
-        await self._m._conclude_success(self, [d for d in self._dsts.values() if not d.is_dummy], deadline)
+        self._kv_done = True
+        await self._maybe_conclude(deadline)
+
+    async def _maybe_conclude(self, deadline: float) -> None:
+        """Success once the last KV chunk, the declared aux and the declared state have all landed."""
+        if self._concluding or not self._kv_done:
+            return
+        if self.needs_aux and not self._aux_sent:
+            return
+        if self.declared_state and not self._state_sent:
+            return
+        self._concluding = True
+        await self._m._conclude_success(self, self._real_dsts(), deadline)
+
+    def _check_sendable(self) -> None:
+        self._m._check_open()
+        self._raise_if_failed()
+        if self._status is KVPoll.Bootstrapping:
+            raise InvalidArgument(f"room {self.room} is not ready: await sender.wait_ready() first")
+        if self._status is KVPoll.Success:
+            raise InvalidArgument(f"room {self.room} already concluded")
+
+    async def send_aux(self, aux_index: int, *, timeout: float | None = None) -> None:
+        """Send local aux slot ``aux_index`` into the slot each decode rank declared.
+
+        The path (engine or TCP control channel) follows :func:`aiotransfer.aux.select_aux_path`; on the
+        ``auto`` path an engine failure falls back to TCP. Aux always lands before Success is sent.
+        """
+        self._check_sendable()
+        m = self._m
+        if self._aux_sent:
+            raise InvalidArgument(f"room {self.room}: aux was already sent")
+        if not m.args.aux:
+            raise InvalidArgument("send_aux: this manager has no aux buffers")
+        slots = min(b.num_items for b in m.args.aux)
+        if isinstance(aux_index, bool) or not isinstance(aux_index, (int, np.integer)) or not 0 <= aux_index < slots:
+            raise InvalidArgument(f"aux_index {aux_index!r} out of range [0, {slots})")
+        t = m.config.transfer_timeout if timeout is None else timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + t
+        m._tx_update(self.room, KVPoll.Transferring)
+        try:
+            dsts = [d for d in self._real_dsts() if d.request.aux_index >= 0]
+            paths = await asyncio.gather(*(m._send_aux(d.peer, self.room, int(aux_index), d.request.aux_index, t)
+                                           for d in dsts))
+        except TransferFailed as exc:
+            await asyncio.shield(self._fail(exc.reason))
+            raise
+        except BaseException as exc:
+            await self._fail_from(exc)
+            raise
+        self.aux_path = paths[0] if paths else None
+        self._aux_sent = True
+        await self._maybe_conclude(deadline)
+
+    async def send_state(self, states: Mapping[str, Any], *, timeout: float | None = None) -> None:
+        """Send per-request state: ``{kind: local indices}`` (one slot for ``mamba``; pages for ``swa``/``nsa``).
+
+        Kinds and counts must match what decode declared in ``send_metadata``; a mismatch fails the room on
+        both sides with the reason.
+        """
+        self._check_sendable()
+        m = self._m
+        if self._state_sent:
+            raise InvalidArgument(f"room {self.room}: state was already sent")
+        local = m._validate_state_indices(states, role="send_state")
+        declared = self.declared_state
+        problem = None
+        if set(local) != set(declared):
+            problem = (
+                f"state kinds mismatch: prefill sends {sorted(local)}, decode declared {sorted(declared)}"
+            )
+        else:
+            for kind, idx in local.items():
+                if len(idx) != declared[kind]:
+                    problem = f"{kind} state count mismatch: prefill sends {len(idx)}, decode declared {declared[kind]}"
+                    break
+        if problem is not None:
+            await self._fail(problem)
+            raise TransferFailed(problem, room=self.room)
+        t = m.config.transfer_timeout if timeout is None else timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + t
+        m._tx_update(self.room, KVPoll.Transferring)
+        try:
+            await asyncio.gather(*(
+                m._write_state(d.peer, kind, np.asarray(idx, dtype=np.int64),
+                               np.asarray(d.request.state_indices[kind], dtype=np.int64), timeout=t, room=self.room)
+                for d in self._real_dsts() for kind, idx in local.items()
+            ))
+        except TransferFailed as exc:
+            await self._fail(exc.reason)
+            raise
+        except BaseException as exc:
+            await self._fail_from(exc)
+            raise
+        self._state_sent = True
+        await self._maybe_conclude(deadline)
 
     async def done(self, timeout: float | None = None) -> None:
         """Wait for Success; raises :class:`TransferFailed` (with ``.reason``) or :class:`TransferTimeout`."""

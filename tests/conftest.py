@@ -24,7 +24,7 @@ ENGINES = [
     pytest.param("nixl", marks=pytest.mark.skipif(not _nixl_available(), reason="nixl not installed")),
 ]
 
-GEOMETRY = {"buffers": 4, "pages": 256, "item_len": 4096}
+GEOMETRY: dict[str, Any] = {"buffers": 4, "pages": 256, "item_len": 4096}
 
 
 @pytest.fixture(params=ENGINES)

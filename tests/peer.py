@@ -50,6 +50,11 @@ class Peer:
         self.ns = ns
         self.kv = make_buffers(ns.buffers, ns.pages, ns.item_len, ns.seed)
         self.aux = make_buffers(ns.aux_buffers, ns.aux_slots, ns.aux_item_len, ns.seed) if ns.aux_buffers else []
+        self.state: dict[str, list[np.ndarray]] = {}
+        for i, spec in enumerate(ns.state or []):
+            kind, nbuf, slots, item_len = spec.split(":")
+            seed = None if ns.seed is None else ns.seed + 1000 * (i + 1)
+            self.state[kind] = make_buffers(int(nbuf), int(slots), int(item_len), seed)
         self.out = sys.stdout
         self.rooms: dict[int, Any] = {}
 
@@ -106,8 +111,23 @@ class Peer:
     async def op_aux_digest(self, mgr: KVManager, slots: list[int]) -> dict[str, Any]:
         return {"digest": digest(self.aux, slots)}
 
+    async def op_state_digest(self, mgr: KVManager, kind: str, slots: list[int]) -> dict[str, Any]:
+        return {"digest": digest(self.state[kind], slots)}
+
+    async def op_send_aux(self, mgr: KVManager, room: int, aux_index: int, timeout: float = 30.0) -> dict[str, Any]:
+        tx = self.rooms[room]
+        await tx.send_aux(aux_index, timeout=timeout)
+        return {"path": tx.aux_path}
+
+    async def op_send_state(self, mgr: KVManager, room: int, state: dict[str, list[int]],
+                            timeout: float = 30.0) -> None:
+        await self.rooms[room].send_state(state, timeout=timeout)
+
+    async def op_aux_path(self, mgr: KVManager, room: int) -> dict[str, Any]:
+        return {"path": self.rooms[room].aux_path}
+
     async def op_zero(self, mgr: KVManager) -> None:
-        for b in self.kv + self.aux:
+        for b in self.kv + self.aux + [x for bufs in self.state.values() for x in bufs]:
             b[...] = 0
 
     async def op_stats(self, mgr: KVManager) -> dict[str, Any]:
@@ -115,7 +135,7 @@ class Peer:
 
     async def run(self) -> None:
         cfg = TransferConfig.from_env(engine=self.ns.engine, handshake_timeout=self.ns.handshake_timeout)
-        args = KVArgs(self.kv, page_size=16, dtype="uint8", aux_buffers=self.aux)
+        args = KVArgs(self.kv, page_size=16, dtype="uint8", aux_buffers=self.aux, state_buffers=self.state)
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader()
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -147,6 +167,7 @@ def main() -> None:
     p.add_argument("--aux-slots", type=int, default=16)
     p.add_argument("--aux-item-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--state", action="append", help="kind:buffers:slots:item_len")
     p.add_argument("--handshake-timeout", type=float, default=10.0)
     asyncio.run(Peer(p.parse_args()).run())
 

@@ -31,12 +31,16 @@ class RemotePeer:
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
     @classmethod
-    async def start(cls, engine: str = "mooncake_tcp", *, timeout: float = 30.0, **opts: Any) -> RemotePeer:
+    async def start(
+        cls, engine: str = "mooncake_tcp", *, timeout: float = 30.0, env: dict[str, str] | None = None, **opts: Any
+    ) -> RemotePeer:
         argv = [sys.executable, PEER, "--engine", engine]
         for k, v in opts.items():
-            if v is not None:
-                argv += ["--" + k.replace("_", "-"), str(v)]
-        env = dict(os.environ, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"))
+            values = v if isinstance(v, list) else [v]
+            for item in values:
+                if item is not None:
+                    argv += ["--" + k.replace("_", "-"), str(item)]
+        env = dict(os.environ, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"), **(env or {}))
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env
         )

@@ -109,6 +109,7 @@ class Status(msgspec.Struct, tag="status", frozen=True):
     rank: int
     endpoint: str
     reason: str = ""
+    aux_path: str = ""
 
 
 class AuxData(msgspec.Struct, tag="aux", frozen=True):

@@ -118,8 +118,13 @@ class KVArgs:
     pp_size: int = 1
     pp_rank: int = 0
     kv_heads: int = 0
-    """KV heads held by this rank (0: not head-sliceable / unknown)."""
+    """KV heads held by this rank (0: unknown; then TP sizes must match or the layout be MLA)."""
     total_kv_heads: int = 0
+    num_layers: int = 0
+    """Layers held by this rank; needed by the page-first layouts to find rows within a page."""
+    cp_size: int = 1
+    cp_rank: int = 0
+    dp_rank: int = 0
 
     def __post_init__(self) -> None:
         if not self.kv_buffers:
@@ -128,6 +133,14 @@ class KVArgs:
             raise InvalidArgument("page_size must be >= 1")
         if not (0 <= self.tp_rank < self.tp_size) or not (0 <= self.pp_rank < self.pp_size):
             raise InvalidArgument("rank out of range of its parallel size")
+        if not (0 <= self.cp_rank < self.cp_size) or self.dp_rank < 0:
+            raise InvalidArgument("cp/dp rank out of range")
+        if self.layout not in ("layer_first", "page_first", "page_first_kv_split", "mla"):
+            raise InvalidArgument(
+                f"unknown layout {self.layout!r}: layer_first, page_first, page_first_kv_split or mla"
+            )
+        if self.kv_heads and self.total_kv_heads and self.kv_heads > self.total_kv_heads:
+            raise InvalidArgument("kv_heads exceeds total_kv_heads")
         self.kv: list[Buffer] = _resolve_list(self.kv_buffers, self.kv_item_lens, "kv", self.kv_layer_ids)
         self.aux: list[Buffer] = _resolve_list(self.aux_buffers, self.aux_item_lens, "aux")
         self.state: dict[str, list[Buffer]] = {
@@ -155,7 +168,24 @@ class KVArgs:
         """Pages addressable in every KV buffer (the smallest buffer bounds page indices)."""
         return min(b.num_items for b in self.kv)
 
+    @property
+    def outer(self) -> int:
+        """Sub-blocks per page: 2 x layers (page_first), layers (page_first_kv_split), else 1."""
+        if self.layout == "page_first":
+            return 2 * max(self.num_layers, 1)
+        if self.layout == "page_first_kv_split":
+            return max(self.num_layers, 1)
+        return 1
+
+    @property
+    def is_mla(self) -> bool:
+        return self.layout == "mla"
+
     def compat_hash(self) -> str:
-        """A digest of what must match between peers: layout, dtype, page size and buffer structure."""
-        parts = [self.layout, self.dtype, str(self.page_size), str(len(self.kv))]
+        """A digest of what must match between any two peers: layout, dtype and page size.
+
+        Buffer counts and item lengths may differ (PP stages, TP head splits); they are paired and
+        checked per peer at registration.
+        """
+        parts = [self.layout, self.dtype, str(self.page_size)]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

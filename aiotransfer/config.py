@@ -51,6 +51,13 @@ class TransferConfig:
     """Port of this rank's control socket; 0 picks a free one."""
     rdma_devices: str | None = None
     """RDMA device list: a comma list or a JSON map ``{gpu_id: "mlx5_0,mlx5_1"}`` (Mooncake)."""
+    bootstrap: str | None = None
+    """Control endpoint of the prefill bootstrap leader (unique rank 0) that this prefill rank registers
+    with. ``None`` on the leader and on single-rank deployments."""
+    dp_size: int = 1
+    """Prefill attention-DP groups behind one bootstrap leader (decode picks ``room % dp_size``)."""
+    all_cp_ranks_send: bool = False
+    """With prefill context parallelism, let every CP rank send its pages (default: only CP rank 0)."""
     device_id: int | None = None
     """Accelerator device of this rank; set before the engine is created, and on executor threads."""
 

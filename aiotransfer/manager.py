@@ -29,8 +29,12 @@ from .control.messages import (
     Hello,
     HelloAck,
     Message,
+    RankEndpoint,
+    RankRegister,
     StateSpec,
     Status,
+    Topology,
+    TopologyQuery,
     TransferRequest,
     pack_indices,
     unpack_indices,
@@ -48,10 +52,12 @@ from .errors import (
     TransferFailed,
     TransferTimeout,
 )
-from .plan import Blocks, as_index_array, check_range, check_unique, plan_blocks
+from .layout import KVPairing, RankGeometry, pair_buffers
+from .plan import Blocks, as_index_array, check_range, check_unique, plan_blocks, plan_head_slices
 from .receiver import KVReceiver
 from .sender import KVSender
 from .status import KVPoll, StatusTable
+from .topology import ParallelInfo, RankMapping, map_ranks
 
 __all__ = ["KVManager"]
 
@@ -74,6 +80,10 @@ class _DecodePeer:
     aux_bases: np.ndarray
     state: dict[str, tuple[np.ndarray, int]]
     """kind -> (buffer bases, items addressable in every buffer of that kind)"""
+    pairing: KVPairing
+    dst_bases: np.ndarray
+    """Remote bases, in the order of ``pairing.src``."""
+    dst_item_lens: np.ndarray
 
     @property
     def session_id(self) -> str:
@@ -86,6 +96,14 @@ class _PrefillPeer:
 
     endpoint: str
     ack: HelloAck
+
+
+@dataclass
+class _PrefillTopology:
+    """Decode-side cache of what a bootstrap address resolved to."""
+
+    topo: Topology
+    endpoints: dict[tuple[int, int, int, int], str]
 
 
 @dataclass
@@ -131,6 +149,24 @@ class KVManager:
         self._kv_bases = np.array([b.ptr for b in args.kv], dtype=np.uint64)
         self._kv_item_lens = np.array([b.item_len for b in args.kv], dtype=np.uint64)
         self._compat = args.compat_hash()
+        self.parallel = ParallelInfo(
+            args.tp_size, args.tp_rank, args.pp_size, args.pp_rank, args.cp_size, args.cp_rank, args.dp_rank
+        )
+        self._geometry = RankGeometry(
+            layout=args.layout,
+            page_size=args.page_size,
+            item_lens=[b.item_len for b in args.kv],
+            layer_ids=[b.layer_id for b in args.kv],
+            tp_size=args.tp_size,
+            tp_rank=args.tp_rank,
+            kv_heads=args.kv_heads,
+            total_kv_heads=args.total_kv_heads,
+            outer=args.outer,
+        )
+        self._ranks: dict[tuple[int, int, int, int], str] = {}
+        """Bootstrap leader: (dp, tp, pp, cp) -> control endpoint of every prefill rank registered."""
+        self._topologies: dict[str, _PrefillTopology] = {}
+        self._topology_waiters: dict[int, asyncio.Future[Topology]] = {}
         self._aux_bases = np.array([b.ptr for b in args.aux], dtype=np.uint64)
         self._aux_item_lens = np.array([b.item_len for b in args.aux], dtype=np.uint64)
         self.aux_path = select_aux_path(
@@ -183,6 +219,9 @@ class KVManager:
                 hmac_key=cfg.hmac_key,
             )
             await self._control.start()
+            self._ranks[self._rank_key()] = self._control.endpoint
+            if cfg.bootstrap:
+                await self._register_with_leader(cfg.bootstrap)
         except BaseException:
             await self.aclose()
             raise
@@ -307,8 +346,10 @@ class KVManager:
                 self._accept_request(tx, peer, req, idx)
         return tx
 
-    def receiver(self, room: int, peer: str) -> KVReceiver:
-        """Create the decode side of ``room``, pulling from the prefill rank at ``peer`` (``host:port``)."""
+    def receiver(self, room: int, peer: str, *, prefill_dp_rank: int | None = None) -> KVReceiver:
+        """Create the decode side of ``room``, pulling from the prefill deployment whose bootstrap leader
+        (or single rank) is at ``peer`` (``host:port``). ``prefill_dp_rank`` picks the attention-DP group
+        (default ``room % dp_size``)."""
         self._check_open()
         self._check_room(room)
         room = int(room)
@@ -320,7 +361,7 @@ class KVManager:
             raise InvalidArgument(f"duplicate room {room}: a receiver for it is still active")
         if len(self._receivers) >= self.config.max_rooms:
             raise InvalidArgument(f"too many active rooms ({self.config.max_rooms}); raise max_rooms")
-        rx = KVReceiver(self, room, endpoint)
+        rx = KVReceiver(self, room, endpoint, prefill_dp_rank)
         self._receivers[room] = rx
         self._rx_status.update(room, KVPoll.Bootstrapping)
         return rx
@@ -384,6 +425,9 @@ class KVManager:
             kv_heads=a.kv_heads,
             total_kv_heads=a.total_kv_heads,
             page_size=a.page_size,
+            cp_size=a.cp_size,
+            cp_rank=a.cp_rank,
+            outer=a.outer,
         )
         return hello, nonce
 
@@ -448,19 +492,42 @@ class KVManager:
         timeout: float,
     ) -> None:
         assert self._control is not None
-        peer = await self._ensure_prefill_peer(rx.peer, timeout)
-        rx._targets = {peer.endpoint: peer.ack.rank}
-        rx._required = 1
-        req = TransferRequest(
-            room=rx.room,
-            endpoint=self.endpoint,
-            generation=peer.ack.generation,
-            kv_indices=pack_indices(pages),
-            aux_index=-1 if aux_index is None else aux_index,
-            state_indices=states,
-            required_dst_info_num=1,
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        resolved = await self._ensure_topology(rx.peer, timeout)
+        topo = resolved.topo
+        mapping: RankMapping = map_ranks(
+            topo.tp_size, topo.pp_size, topo.cp_size, self.parallel,
+            is_mla=topo.layout == "mla", total_heads=topo.total_kv_heads,
+            all_cp_ranks_send=self.config.all_cp_ranks_send,
         )
-        await self._control.send(peer.endpoint, req, timeout=timeout)
+        dp = rx.prefill_dp_rank if rx.prefill_dp_rank is not None else rx.room % topo.dp_size
+        endpoints = []
+        for t in mapping.targets:
+            ep = resolved.endpoints.get((dp, t.tp_rank, t.pp_rank, t.cp_rank))
+            if ep is None:
+                raise PeerError(f"prefill topology from {rx.peer} lacks rank dp={dp} tp={t.tp_rank} pp={t.pp_rank}")
+            endpoints.append(ep)
+        peers = await asyncio.gather(*(
+            self._ensure_prefill_peer(ep, max(deadline - loop.time(), 0.01)) for ep in dict.fromkeys(endpoints)
+        ))
+        by_ep = {p.endpoint: p for p in peers}
+        rx._targets = {ep: t.unique_rank for t, ep in zip(mapping.targets, endpoints, strict=True) if not t.is_dummy}
+        rx._all_targets = list(dict.fromkeys(endpoints))
+        rx._required = mapping.required_responses
+        packed = pack_indices(pages)
+        for t, ep in zip(mapping.targets, endpoints, strict=True):
+            req = TransferRequest(
+                room=rx.room,
+                endpoint=self.endpoint,
+                generation=by_ep[ep].ack.generation,
+                kv_indices=b"" if t.is_dummy else packed,
+                aux_index=-1 if (aux_index is None or t.is_dummy) else aux_index,
+                state_indices={} if t.is_dummy else states,
+                required_dst_info_num=mapping.required_dst_info_num,
+                is_dummy=t.is_dummy,
+            )
+            await self._control.send(ep, req, timeout=max(deadline - loop.time(), 0.01))
         self._rx_update(rx.room, KVPoll.WaitingForInput)
 
     async def _notify_abort(self, room: int, endpoints: list[str], reason: str) -> None:
@@ -476,19 +543,34 @@ class KVManager:
         self, peer: _DecodePeer, src: np.ndarray, dst: np.ndarray, *, timeout: float, room: int
     ) -> None:
         assert self._poller is not None
-        if src.size * len(self.args.kv) > _PLAN_OFFLOAD_ENTRIES:
+        pairing = peer.pairing
+        rows = pairing.rows_per_page if pairing.sliced else 1
+        if src.size * pairing.src.size * rows > _PLAN_OFFLOAD_ENTRIES:
             blocks: Blocks = await self._offload.run(
-                plan_blocks, self._kv_bases, peer.kv_bases, self._kv_item_lens, src, dst,
-                timeout=timeout, what="transfer planning",
+                self._plan_kv, peer, src, dst, timeout=timeout, what="transfer planning"
             )
         else:
-            blocks = plan_blocks(self._kv_bases, peer.kv_bases, self._kv_item_lens, src, dst)
+            blocks = self._plan_kv(peer, src, dst)
         try:
             await self._poller.write(peer.session_id, blocks, timeout=timeout)
         except EngineError as exc:
             raise TransferFailed(f"engine transfer to {peer.endpoint} failed: {exc}", room=room) from exc
         self.counters["kv_bytes_sent"] += blocks.nbytes
         self.counters["kv_entries_sent"] += len(blocks)
+
+    def _plan_kv(self, peer: _DecodePeer, src: np.ndarray, dst: np.ndarray) -> Blocks:
+        pairing = peer.pairing
+        src_bases = self._kv_bases[pairing.src]
+        src_lens = self._kv_item_lens[pairing.src]
+        if pairing.heads is None:
+            return plan_blocks(src_bases, peer.dst_bases, src_lens, src, dst)
+        hs = pairing.heads
+        return plan_head_slices(
+            src_bases, peer.dst_bases, src_lens, peer.dst_item_lens, src, dst,
+            rows_per_page=pairing.rows_per_page, src_heads=hs.src_heads, dst_heads=hs.dst_heads,
+            head_bytes=pairing.head_bytes, src_head_start=hs.src_start, dst_head_start=hs.dst_start,
+            head_count=hs.count,
+        )
 
     async def _write_state(
         self, peer: _DecodePeer, kind: str, src: np.ndarray, dst: np.ndarray, *, timeout: float, room: int
@@ -558,8 +640,126 @@ class KVManager:
                 await self._control.send(ep, msg, timeout=1.0)
 
     def _rank_id(self) -> int:
-        a = self.args
-        return a.tp_rank * a.pp_size + a.pp_rank
+        return self.parallel.unique_rank
+
+    def _rank_key(self) -> tuple[int, int, int, int]:
+        p = self.parallel
+        return (p.dp_rank, p.tp_rank, p.pp_rank, p.cp_rank)
+
+    def _register_msg(self) -> RankRegister:
+        a, p = self.args, self.parallel
+        return RankRegister(
+            version=PROTOCOL_VERSION,
+            rank=RankEndpoint(p.dp_rank, p.tp_rank, p.pp_rank, p.cp_rank, self.endpoint),
+            tp_size=p.tp_size, pp_size=p.pp_size, cp_size=p.cp_size, dp_size=self.config.dp_size,
+            layout=a.layout, total_kv_heads=a.total_kv_heads, page_size=a.page_size,
+        )
+
+    async def _register_with_leader(self, leader: str) -> None:
+        """Non-leader prefill rank: announce this rank to the bootstrap leader (fire and forget; the
+        leader answers topology queries only once every rank is in, and decode retries until then)."""
+        assert self._control is not None
+        try:
+            endpoint = normalize_endpoint(leader)
+        except ValueError as exc:
+            raise InvalidArgument(f"bootstrap: {exc}") from None
+        await self._control.send(endpoint, self._register_msg(), timeout=self.config.handshake_timeout)
+
+    # -- bootstrap leader ------------------------------------------------------------------------
+    def _topology(self, nonce: int) -> Topology:
+        p, a = self.parallel, self.args
+        if self.config.bootstrap:
+            return Topology(version=PROTOCOL_VERSION, nonce=nonce, ready=False,
+                            reason="not the bootstrap leader", redirect=normalize_endpoint(self.config.bootstrap))
+        expected = self.config.dp_size * p.tp_size * p.pp_size * p.cp_size
+        ready = len(self._ranks) >= expected
+        return Topology(
+            version=PROTOCOL_VERSION, nonce=nonce, ready=ready,
+            reason="" if ready else f"{len(self._ranks)}/{expected} prefill ranks registered",
+            tp_size=p.tp_size, pp_size=p.pp_size, cp_size=p.cp_size, dp_size=self.config.dp_size,
+            layout=a.layout, total_kv_heads=a.total_kv_heads, page_size=a.page_size,
+            ranks=[RankEndpoint(*key, ep) for key, ep in sorted(self._ranks.items())] if ready else [],
+        )
+
+    def _on_rank_register(self, msg: RankRegister) -> None:
+        p = self.parallel
+        if self.config.bootstrap:
+            self._drop("not-leader", f"rank registration from {msg.rank.endpoint}")
+            return
+        if (msg.tp_size, msg.pp_size, msg.cp_size, msg.dp_size) != (p.tp_size, p.pp_size, p.cp_size,
+                                                                   self.config.dp_size):
+            self._drop("bad-rank", f"{msg.rank.endpoint} reports a different topology")
+            log.warning("prefill rank %s reports sizes tp=%d pp=%d cp=%d dp=%d; leader has tp=%d pp=%d cp=%d dp=%d",
+                        msg.rank.endpoint, msg.tp_size, msg.pp_size, msg.cp_size, msg.dp_size,
+                        p.tp_size, p.pp_size, p.cp_size, self.config.dp_size)
+            return
+        r = msg.rank
+        self._ranks[(r.dp_rank, r.tp_rank, r.pp_rank, r.cp_rank)] = r.endpoint
+
+    async def _ensure_topology(self, peer: str, timeout: float) -> _PrefillTopology:
+        """Resolve a bootstrap address into the prefill topology (cached; retried until every rank is in)."""
+        cached = self._topologies.get(peer)
+        if cached is not None:
+            return cached
+        assert self._control is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        target = peer
+        delay = 0.01
+        last = "no answer"
+        while True:
+            nonce = secrets.randbits(62)
+            fut: asyncio.Future[Topology] = loop.create_future()
+            self._topology_waiters[nonce] = fut
+            try:
+                await self._control.send(target, TopologyQuery(version=PROTOCOL_VERSION, endpoint=self.endpoint,
+                                                               nonce=nonce), timeout=max(deadline - loop.time(), 0.01))
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                try:
+                    topo = await asyncio.wait_for(fut, min(remaining, max(1.0, delay * 4)))
+                except asyncio.TimeoutError:
+                    last = "no answer"
+                    if loop.time() >= deadline:
+                        break
+                    continue
+            finally:
+                self._topology_waiters.pop(nonce, None)
+            if topo.redirect:
+                target = topo.redirect
+                continue
+            if topo.ready:
+                endpoints = {(r.dp_rank, r.tp_rank, r.pp_rank, r.cp_rank): r.endpoint for r in topo.ranks}
+                resolved = _PrefillTopology(topo, endpoints)
+                self._topologies[peer] = resolved
+                return resolved
+            last = topo.reason
+            await asyncio.sleep(min(delay, max(deadline - loop.time(), 0)))
+            delay = min(delay * 2, 0.5)
+            if loop.time() >= deadline:
+                break
+        self._control.forget(peer)
+        raise PeerError(
+            f"no registration answer from {peer} within {timeout:.3g}s ({last}; wrong address, peer down, "
+            "or not an aiotransfer manager)"
+        )
+
+    def _on_topology_query(self, msg: TopologyQuery) -> None:
+        assert self._control is not None
+        self._spawn(self._reply(msg.endpoint, self._topology(msg.nonce)), "topology")
+
+    async def _reply(self, endpoint: str, msg: Message) -> None:
+        assert self._control is not None
+        with contextlib.suppress(AiotransferError):
+            await self._control.send(endpoint, msg, timeout=self.config.handshake_timeout)
+
+    def _on_topology(self, msg: Topology) -> None:
+        fut = self._topology_waiters.get(msg.nonce)
+        if fut is None or fut.done():
+            self._drop("unexpected-topology", str(msg.nonce))
+            return
+        fut.set_result(msg)
 
     # -- inbound control messages -------------------------------------------------------------
     def _dispatch(self, msg: Message) -> None:
@@ -577,12 +777,19 @@ class KVManager:
             self._on_abort(msg)
         elif isinstance(msg, AuxData):
             self._on_aux(msg)
+        elif isinstance(msg, TopologyQuery):
+            self._on_topology_query(msg)
+        elif isinstance(msg, Topology):
+            self._on_topology(msg)
+        elif isinstance(msg, RankRegister):
+            self._on_rank_register(msg)
 
     def _drop(self, cause: str, detail: str) -> None:
         self.counters[f"dropped_{cause}"] += 1
         log.debug("dropped control message (%s): %s", cause, detail)
 
-    def _refusal(self, hello: Hello) -> str | None:
+    def _refusal(self, hello: Hello) -> KVPairing | str:
+        """Pair our buffers with a registering decode rank's, or say why not."""
         a = self.args
         if hello.engine != self.config.engine.replace("mooncake_tcp", "mooncake"):
             return f"engine mismatch: peer uses {hello.engine!r}, we use {self.config.engine!r}"
@@ -591,14 +798,19 @@ class KVManager:
         if hello.page_size != a.page_size:
             return f"page size mismatch: peer {hello.page_size}, ours {a.page_size}"
         if hello.compat != self._compat:
-            return f"KV geometry hash mismatch (dtype/layout/page size/buffer count): peer {hello.compat}, ours {self._compat}"
-        if len(hello.kv) != len(a.kv):
-            return f"KV buffer count mismatch: peer {len(hello.kv)}, ours {len(a.kv)}"
-        theirs = [b.item_len for b in hello.kv]
-        ours = [b.item_len for b in a.kv]
-        if theirs != ours:
-            first = next(i for i, (x, y) in enumerate(zip(theirs, ours, strict=True)) if x != y)
-            return f"KV item length mismatch at buffer {first}: peer {theirs[first]} bytes/page, ours {ours[first]}"
+            return f"KV geometry hash mismatch (dtype/layout/page size): peer {hello.compat}, ours {self._compat}"
+        remote = RankGeometry(
+            layout=hello.layout, page_size=hello.page_size, item_lens=[b.item_len for b in hello.kv],
+            layer_ids=[b.layer_id for b in hello.kv], tp_size=hello.tp_size, tp_rank=hello.tp_rank,
+            kv_heads=hello.kv_heads, total_kv_heads=hello.total_kv_heads, outer=hello.outer,
+        )
+        if (hello.tp_size != a.tp_size or hello.kv_heads != a.kv_heads) and not a.is_mla and not (
+            a.total_kv_heads and hello.total_kv_heads
+        ):
+            return "TP sizes differ: both sides must set kv_heads and total_kv_heads for head slicing"
+        pairing = pair_buffers(self._geometry, remote)
+        if isinstance(pairing, str):
+            return pairing
         if hello.aux and a.aux:
             theirs = [b.item_len for b in hello.aux]
             ours = [b.item_len for b in a.aux]
@@ -612,13 +824,14 @@ class KVManager:
             ours = [b.item_len for b in local]
             if theirs != ours:
                 return f"{spec.kind} state buffers mismatch: peer item lengths {theirs}, ours {ours}"
-        return None
+        return pairing
 
     async def _on_hello(self, hello: Hello) -> None:
         assert self._control is not None
         self._hello_inflight[hello.endpoint] = asyncio.current_task()  # type: ignore[assignment]
         try:
-            reason = self._refusal(hello)
+            verdict = self._refusal(hello)
+            reason = verdict if isinstance(verdict, str) else None
             if reason is None:
                 try:
                     await self._offload.run(
@@ -643,8 +856,10 @@ class KVManager:
                 old = self._decode_peers.get(hello.endpoint)
                 if old is not None and old.hello.generation != hello.generation:
                     self.counters["decode_peer_restarts"] += 1
+                assert isinstance(verdict, KVPairing)
                 self._decode_peers[hello.endpoint] = _DecodePeer(
-                    hello.endpoint, hello, kv_bases, item_lens, num_pages, aux_slots, aux_bases, state
+                    hello.endpoint, hello, kv_bases, item_lens, num_pages, aux_slots, aux_bases, state,
+                    verdict, kv_bases[verdict.dst], item_lens[verdict.dst],
                 )
             else:
                 self.counters["peers_refused"] += 1

@@ -26,6 +26,7 @@ __all__ = [
     "coalesce_runs",
     "page_runs",
     "plan_blocks",
+    "plan_head_slices",
     "plan_slots",
     "split_blocks",
 ]
@@ -296,3 +297,63 @@ def split_blocks(blocks: Blocks, max_entries: int) -> list[Blocks]:
         Blocks(src[i : i + max_entries], dst[i : i + max_entries], length[i : i + max_entries])
         for i in range(0, total, max_entries)
     ]
+
+
+def plan_head_slices(
+    src_bases: IntVector,
+    dst_bases: IntVector,
+    src_item_lens: IntVector,
+    dst_item_lens: IntVector,
+    src_pages: npt.ArrayLike,
+    dst_pages: npt.ArrayLike,
+    *,
+    rows_per_page: int,
+    src_heads: int,
+    dst_heads: int,
+    head_bytes: int,
+    src_head_start: int,
+    dst_head_start: int,
+    head_count: int,
+) -> Blocks:
+    """Entries moving a head slice of every row (token) of every page, per paired buffer.
+
+    A page is ``rows_per_page`` rows of ``heads * head_bytes``; row ``r`` of source page ``sp`` contributes
+    heads ``[src_head_start, +head_count)`` to heads ``[dst_head_start, +head_count)`` of the same row of
+    destination page ``dp``. One entry per (buffer, page, row) before merging adjacent entries, which
+    collapses whole-row (and whole-page) copies. Vectorised by broadcasting.
+    """
+    sb = _as_u64(src_bases, what="src_bases")
+    db = _as_u64(dst_bases, what="dst_bases")
+    sl = _as_u64(src_item_lens, what="src_item_lens", positive=True)
+    dl = _as_u64(dst_item_lens, what="dst_item_lens", positive=True)
+    if not (sb.shape == db.shape == sl.shape == dl.shape):
+        raise InvalidArgument("per-buffer arrays must have the same length")
+    sp = as_index_array(src_pages, what="src_pages")
+    dp = as_index_array(dst_pages, what="dst_pages")
+    if sp.shape != dp.shape:
+        raise InvalidArgument(f"src_pages and dst_pages differ in length ({sp.size} vs {dp.size})")
+    if head_count < 1 or src_head_start + head_count > src_heads or dst_head_start + head_count > dst_heads:
+        raise InvalidArgument("head slice out of range")
+    if sp.size == 0 or sb.size == 0:
+        return _empty_blocks()
+    rows = np.arange(rows_per_page, dtype=np.uint64)
+    hb = np.uint64(head_bytes)
+    src_row = np.uint64(src_heads) * hb
+    dst_row = np.uint64(dst_heads) * hb
+    # shapes: buffers (B,1,1), pages (1,N,1), rows (1,1,R)
+    src = (
+        sb[:, None, None]
+        + sp.astype(np.uint64)[None, :, None] * sl[:, None, None]
+        + rows[None, None, :] * src_row
+        + np.uint64(src_head_start) * hb
+    )
+    dst = (
+        db[:, None, None]
+        + dp.astype(np.uint64)[None, :, None] * dl[:, None, None]
+        + rows[None, None, :] * dst_row
+        + np.uint64(dst_head_start) * hb
+    )
+    src = src.reshape(-1)
+    dst = dst.reshape(-1)
+    length = np.full(src.shape, np.uint64(head_count) * hb, dtype=np.uint64)
+    return _merge_adjacent(src, dst, length)

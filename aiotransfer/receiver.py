@@ -26,10 +26,12 @@ class KVReceiver:
     Success when every required prefill rank reported Success, or Failed (sticky, with a reason).
     """
 
-    def __init__(self, manager: KVManager, room: int, peer: str) -> None:
+    def __init__(self, manager: KVManager, room: int, peer: str, prefill_dp_rank: int | None = None) -> None:
         self._m = manager
         self.room = room
         self.peer = peer
+        self.prefill_dp_rank = prefill_dp_rank
+        self._all_targets: list[str] = []
         self._latch = PollLatch()
         self._status = KVPoll.Bootstrapping
         self._reason: str | None = None
@@ -138,7 +140,7 @@ class KVReceiver:
         if self._status.is_terminal:
             return
         self._m._rx_update(self.room, KVPoll.Failed, reason)
-        await self._m._notify_abort(self.room, list(self._targets), reason)
+        await self._m._notify_abort(self.room, self._all_targets or list(self._targets), reason)
 
     # -- called by the manager ------------------------------------------------------------------
     def _on_prefill_status(

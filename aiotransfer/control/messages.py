@@ -15,6 +15,10 @@ from ..errors import ProtocolError
 __all__ = [
     "PROTOCOL_VERSION",
     "Abort",
+    "RankEndpoint",
+    "RankRegister",
+    "Topology",
+    "TopologyQuery",
     "AuxData",
     "BufferSpec",
     "Hello",
@@ -73,6 +77,10 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     kv_heads: int = 0
     total_kv_heads: int = 0
     page_size: int = 1
+    cp_size: int = 1
+    cp_rank: int = 0
+    outer: int = 1
+    staging: BufferSpec | None = None
 
 
 class HelloAck(msgspec.Struct, tag="hello_ack", frozen=True):
@@ -122,6 +130,54 @@ class AuxData(msgspec.Struct, tag="aux", frozen=True):
     endpoint: str = ""
 
 
+class RankEndpoint(msgspec.Struct, frozen=True, array_like=True):
+    dp_rank: int
+    tp_rank: int
+    pp_rank: int
+    cp_rank: int
+    endpoint: str
+
+
+class RankRegister(msgspec.Struct, tag="rank_register", frozen=True):
+    """Prefill rank -> bootstrap leader: here I am."""
+
+    version: int
+    rank: RankEndpoint
+    tp_size: int
+    pp_size: int
+    cp_size: int
+    dp_size: int
+    layout: str
+    total_kv_heads: int
+    page_size: int
+
+
+class TopologyQuery(msgspec.Struct, tag="topology_query", frozen=True):
+    """Decode -> prefill leader: who are the prefill ranks?"""
+
+    version: int
+    endpoint: str
+    nonce: int
+
+
+class Topology(msgspec.Struct, tag="topology", frozen=True):
+    """Prefill leader -> decode: the prefill topology (``ready`` once every rank registered)."""
+
+    version: int
+    nonce: int
+    ready: bool
+    reason: str = ""
+    tp_size: int = 1
+    pp_size: int = 1
+    cp_size: int = 1
+    dp_size: int = 1
+    layout: str = "layer_first"
+    total_kv_heads: int = 0
+    page_size: int = 1
+    ranks: list[RankEndpoint] = []
+    redirect: str = ""
+
+
 class Abort(msgspec.Struct, tag="abort", frozen=True):
     """Either direction: fail the room on the other side too."""
 
@@ -131,7 +187,9 @@ class Abort(msgspec.Struct, tag="abort", frozen=True):
     generation: int = 0
 
 
-Message = Hello | HelloAck | TransferRequest | Status | AuxData | Abort
+Message = (
+    Hello | HelloAck | TransferRequest | Status | AuxData | Abort | RankRegister | TopologyQuery | Topology
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -199,6 +257,15 @@ def validate(msg: Message) -> None:
     elif isinstance(msg, Abort):
         _check_room(msg.room)
         _check(len(msg.reason) <= 4096, "reason too long")
+    elif isinstance(msg, (RankRegister, TopologyQuery, Topology)):
+        _check(msg.version == PROTOCOL_VERSION, f"protocol version {msg.version} != {PROTOCOL_VERSION}")
+        if isinstance(msg, RankRegister):
+            r = msg.rank
+            _check(0 <= r.tp_rank < msg.tp_size and 0 <= r.pp_rank < msg.pp_size and 0 <= r.cp_rank < msg.cp_size,
+                   "rank out of range")
+            _check(0 <= r.dp_rank < msg.dp_size <= 4096, "bad dp rank")
+        if isinstance(msg, Topology):
+            _check(len(msg.ranks) <= 65536, "too many ranks")
 
 
 def pack_indices(indices: np.ndarray) -> bytes:

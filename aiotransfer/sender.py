@@ -139,6 +139,11 @@ class KVSender:
     def pages_remaining(self) -> int | None:
         return None if self._num_dst_pages is None else self._num_dst_pages - self._cursor
 
+    @property
+    def is_dummy(self) -> bool:
+        """Every decode rank that spoke for this room marked this rank a dummy."""
+        return bool(self._dsts) and all(d.is_dummy for d in self._dsts.values())
+
     def _real_dsts(self) -> list[_Dst]:
         return [d for d in self._dsts.values() if not d.is_dummy]
 
@@ -190,6 +195,14 @@ class KVSender:
         src = as_index_array(indices, what="send_kv indices")
         check_range(src, m.args.num_pages, what="send_kv indices")
         assert self._num_dst_pages is not None
+        if self.is_dummy:
+            # Every decode rank told us to stand by (MLA / CP / replica dummies): nothing moves, but the
+            # room still concludes Success on its last chunk so every prefill rank's status terminates.
+            if last:
+                self._last_reserved = True
+                self._kv_done = True
+                m._tx_update(self.room, KVPoll.Success)
+            return
         remaining = self._num_dst_pages - self._cursor
         if src.size > remaining:
             raise InvalidArgument(

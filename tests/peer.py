@@ -135,7 +135,12 @@ class Peer:
 
     async def run(self) -> None:
         cfg = TransferConfig.from_env(engine=self.ns.engine, handshake_timeout=self.ns.handshake_timeout)
-        args = KVArgs(self.kv, page_size=16, dtype="uint8", aux_buffers=self.aux, state_buffers=self.state)
+        ns = self.ns
+        layer_ids = [int(x) for x in ns.layer_ids.split(",")] if ns.layer_ids else None
+        args = KVArgs(self.kv, page_size=ns.page_size, dtype="uint8", aux_buffers=self.aux, state_buffers=self.state,
+                      layout=ns.layout, tp_size=ns.tp_size, tp_rank=ns.tp_rank, kv_heads=ns.kv_heads,
+                      total_kv_heads=ns.total_kv_heads, kv_layer_ids=layer_ids, pp_size=ns.pp_size,
+                      pp_rank=ns.pp_rank)
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader()
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -168,6 +173,15 @@ def main() -> None:
     p.add_argument("--aux-item-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--state", action="append", help="kind:buffers:slots:item_len")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--layout", default="layer_first")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--tp-rank", type=int, default=0)
+    p.add_argument("--pp-size", type=int, default=1)
+    p.add_argument("--pp-rank", type=int, default=0)
+    p.add_argument("--kv-heads", type=int, default=0)
+    p.add_argument("--total-kv-heads", type=int, default=0)
+    p.add_argument("--layer-ids", default="")
     p.add_argument("--handshake-timeout", type=float, default=10.0)
     asyncio.run(Peer(p.parse_args()).run())
 

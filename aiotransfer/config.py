@@ -96,6 +96,11 @@ class TransferConfig:
     pending_request_ttl: float = 600.0
     """How long transfer requests for a room nobody created a sender for are kept."""
 
+    staging: str = "auto"
+    """Gather/scatter through a staging arena: ``auto`` (cost model), ``always`` or ``never``."""
+    staging_bytes: int = 64 * 1024 * 1024
+    """Size of this manager's staging arena (host memory, registered); 0 disables staging."""
+
     hmac_key: bytes | None = None
     """Shared secret: when set, every control message is signed and verified."""
 
@@ -125,6 +130,10 @@ class TransferConfig:
             object.__setattr__(self, "max_batch_entries", self.max_entries_in_flight)
         if self.engine_timeout_s is not None and self.engine_timeout_s < 5:
             raise ConfigError("engine_timeout_s must be >= 5 (Mooncake's minimum) or None")
+        if self.staging not in ("auto", "always", "never"):
+            raise ConfigError(f"staging must be auto, always or never, got {self.staging!r}")
+        if self.staging_bytes < 0:
+            raise ConfigError("staging_bytes must be >= 0")
         if not 0 < self.poll_interval_min <= self.poll_interval_max:
             raise ConfigError("need 0 < poll_interval_min <= poll_interval_max")
         if isinstance(self.hmac_key, str):

@@ -31,6 +31,10 @@ from .control.messages import (
     Message,
     RankEndpoint,
     RankRegister,
+    Staged,
+    StagedAck,
+    StageGrant,
+    StageRequest,
     StateSpec,
     Status,
     Topology,
@@ -56,6 +60,7 @@ from .layout import KVPairing, RankGeometry, pair_buffers
 from .plan import Blocks, as_index_array, check_range, check_unique, plan_blocks, plan_head_slices
 from .receiver import KVReceiver
 from .sender import KVSender
+from .staging import RowSlice, StagingArena, choose_staging, gather_pages, host_view, scatter_pages
 from .status import KVPoll, StatusTable
 from .topology import ParallelInfo, RankMapping, map_ranks
 
@@ -84,6 +89,7 @@ class _DecodePeer:
     dst_bases: np.ndarray
     """Remote bases, in the order of ``pairing.src``."""
     dst_item_lens: np.ndarray
+    staging: BufferSpec | None = None
 
     @property
     def session_id(self) -> str:
@@ -143,6 +149,16 @@ class KVManager:
         self._poller: Poller | None = None
         self._control: ControlPlane | None = None
         self._regions = [MemoryRegion(b.ptr, b.nbytes, b.device) for b in args.all_buffers()]
+        host_kv = all(b.device == "cpu" for b in args.kv)
+        self._kv_views = [host_view(b.ptr, b.nbytes) for b in args.kv] if host_kv else None
+        self._arena: StagingArena | None = None
+        if self.config.staging_bytes and host_kv and self.config.staging != "never":
+            self._arena = StagingArena(self.config.staging_bytes)
+            self._regions.append(MemoryRegion(self._arena.ptr, self._arena.nbytes))
+        self._stage_ids = 0
+        self._stage_waiters: dict[int, asyncio.Future[Any]] = {}
+        self._stage_grants: dict[tuple[str, int], tuple[int, int, int]] = {}
+        """decode side: (prefill endpoint, req id) -> (room, offset, nbytes) granted"""
         self._registered = False
         self._started = False
         self._closed = False
@@ -428,6 +444,7 @@ class KVManager:
             cp_size=a.cp_size,
             cp_rank=a.cp_rank,
             outer=a.outer,
+            staging=BufferSpec(self._arena.ptr, self._arena.nbytes, 1) if self._arena is not None else None,
         )
         return hello, nonce
 
@@ -540,10 +557,14 @@ class KVManager:
 
     # -- prefill side: transfers ---------------------------------------------------------------
     async def _write_kv(
-        self, peer: _DecodePeer, src: np.ndarray, dst: np.ndarray, *, timeout: float, room: int
+        self, peer: _DecodePeer, src: np.ndarray, dst: np.ndarray, *, timeout: float, room: int, dst_start: int = 0
     ) -> None:
         assert self._poller is not None
         pairing = peer.pairing
+        staged = self._staging_plan(peer, src, dst)
+        if staged is not None:
+            await self._write_kv_staged(peer, src, dst_start, staged, timeout=timeout, room=room)
+            return
         rows = pairing.rows_per_page if pairing.sliced else 1
         if src.size * pairing.src.size * rows > _PLAN_OFFLOAD_ENTRIES:
             blocks: Blocks = await self._offload.run(
@@ -557,6 +578,206 @@ class KVManager:
             raise TransferFailed(f"engine transfer to {peer.endpoint} failed: {exc}", room=room) from exc
         self.counters["kv_bytes_sent"] += blocks.nbytes
         self.counters["kv_entries_sent"] += len(blocks)
+
+    def _staging_plan(self, peer: _DecodePeer, src: np.ndarray, dst: np.ndarray) -> tuple[RowSlice, RowSlice] | None:
+        """(source slice, destination slice) when this chunk should be staged, else None (direct)."""
+        mode = self.config.staging
+        if mode == "never" or self._arena is None or peer.staging is None or self._kv_views is None:
+            return None
+        pairing = peer.pairing
+        src_lens = {int(self.args.kv[i].item_len) for i in pairing.src}
+        dst_lens = {int(x) for x in peer.dst_item_lens}
+        if len(src_lens) != 1 or len(dst_lens) != 1 or src.size == 0:
+            return None
+        nbuf = int(pairing.src.size)
+        if pairing.heads is None:
+            item = src_lens.pop()
+            s_sl = d_sl = RowSlice(1, 1, 0, 1, item)
+            breaks = int(np.count_nonzero((np.diff(src) != 1) | (np.diff(dst) != 1))) if src.size > 1 else 0
+            entries = (breaks + 1) * nbuf
+        else:
+            hs = pairing.heads
+            s_sl = RowSlice(pairing.rows_per_page, hs.src_heads, hs.src_start, hs.count, pairing.head_bytes)
+            d_sl = RowSlice(pairing.rows_per_page, hs.dst_heads, hs.dst_start, hs.count, pairing.head_bytes)
+            entries = int(src.size) * pairing.rows_per_page * nbuf
+        per_page = s_sl.bytes_per_page * nbuf
+        if per_page * 2 > min(self._arena.nbytes, peer.staging.nbytes):
+            return None
+        if mode == "always":
+            return s_sl, d_sl
+        cost = float(getattr(self.engine, "entry_cost_s", 30e-6))
+        if choose_staging(entries=entries, nbytes=per_page * int(src.size), entry_cost_s=cost):
+            return s_sl, d_sl
+        return None
+
+    async def _write_kv_staged(
+        self, peer: _DecodePeer, src: np.ndarray, dst_start: int, slices: tuple[RowSlice, RowSlice], *,
+        timeout: float, room: int,
+    ) -> None:
+        """Gather -> one engine entry -> decode scatters; pieces pipelined two at a time."""
+        assert self._arena is not None and self._kv_views is not None and self._poller is not None
+        assert peer.staging is not None and self._control is not None
+        arena, remote = self._arena, peer.staging
+        s_sl, d_sl = slices
+        pairing = peer.pairing
+        poller = self._poller
+        views = [self._kv_views[i] for i in pairing.src]
+        num_pages = [self.args.kv[i].num_items for i in pairing.src]
+        nbuf = len(views)
+        per_page = s_sl.bytes_per_page * nbuf
+        cap = max(per_page, min(arena.nbytes, remote.nbytes) // 4)
+        step = max(1, cap // per_page)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        lanes = asyncio.Semaphore(2)
+        dst_buffers = [int(j) for j in pairing.dst]
+
+        async def piece(a: int, b: int) -> None:
+            nbytes = (b - a) * per_page
+            async with lanes:
+                loff = await arena.acquire(nbytes, max(deadline - loop.time(), 0.0))
+                submitted = False
+                try:
+                    out = arena.view[loff : loff + nbytes]
+                    await self._offload.run(gather_pages, views, num_pages, src[a:b], s_sl, out,
+                                            timeout=max(deadline - loop.time(), 0.001), what="staging gather")
+                    grant = await self._stage_call(
+                        peer.endpoint, StageRequest(room=room, endpoint=self.endpoint, req_id=0, nbytes=nbytes),
+                        deadline,
+                    )
+                    if not grant.granted:
+                        raise TransferFailed(f"decode refused staging space: {grant.reason}", room=room)
+                    blocks = Blocks(
+                        np.array([arena.ptr + loff], dtype=np.uint64),
+                        np.array([remote.ptr + grant.offset], dtype=np.uint64),
+                        np.array([nbytes], dtype=np.uint64),
+                    )
+                    submitted = True
+                    try:
+                        await poller.write(peer.session_id, blocks, timeout=max(deadline - loop.time(), 0.001))
+                    except EngineError as exc:
+                        raise TransferFailed(f"staged transfer to {peer.endpoint} failed: {exc}", room=room) from exc
+                    submitted = False  # landed: our copy is free again
+                finally:
+                    if not submitted:
+                        arena.release(loff, nbytes)
+                staged = Staged(
+                    room=room, endpoint=self.endpoint, req_id=grant.req_id, offset=grant.offset, nbytes=nbytes,
+                    dst_start=dst_start + a, n_pages=b - a, rows=d_sl.rows, heads=d_sl.heads, start=d_sl.start,
+                    count=d_sl.count, head_bytes=d_sl.head_bytes, buffers=dst_buffers,
+                )
+                ack = await self._stage_call(peer.endpoint, staged, deadline)
+                if not ack.ok:
+                    raise TransferFailed(f"decode could not scatter a staged piece: {ack.reason}", room=room)
+            self.counters["kv_bytes_sent"] += nbytes
+            self.counters["kv_entries_sent"] += 1
+            self.counters["staged_pieces"] += 1
+
+        bounds = [(a, min(a + step, int(src.size))) for a in range(0, int(src.size), step)]
+        tasks = [asyncio.ensure_future(piece(a, b)) for a, b in bounds]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+
+    async def _stage_call(self, endpoint: str, msg: StageRequest | Staged, deadline: float) -> Any:
+        """Send a staging message and await its answer (grant or ack), bounded by ``deadline``."""
+        assert self._control is not None
+        loop = asyncio.get_running_loop()
+        if isinstance(msg, StageRequest):
+            self._stage_ids += 1
+            msg = StageRequest(room=msg.room, endpoint=msg.endpoint, req_id=self._stage_ids, nbytes=msg.nbytes)
+            key = msg.req_id
+        else:
+            key = -msg.req_id
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._stage_waiters[key] = fut
+        try:
+            await self._control.send(endpoint, msg, timeout=max(deadline - loop.time(), 0.001))
+            try:
+                return await asyncio.wait_for(fut, max(deadline - loop.time(), 0.001))
+            except asyncio.TimeoutError:
+                raise TransferTimeout(f"no staging answer from {endpoint} in time") from None
+        finally:
+            self._stage_waiters.pop(key, None)
+
+    def _on_stage_answer(self, msg: StageGrant | StagedAck) -> None:
+        key = msg.req_id if isinstance(msg, StageGrant) else -msg.req_id
+        fut = self._stage_waiters.get(key)
+        if fut is None or fut.done():
+            self._drop("unexpected-staging-answer", str(msg.req_id))
+            return
+        fut.set_result(msg)
+
+    # decode side of staging
+    def _on_stage_request(self, msg: StageRequest) -> None:
+        rx = self._receivers.get(msg.room)
+        if rx is None or msg.endpoint not in rx._targets:
+            self._drop("unknown-room", f"staging request for room {msg.room}")
+            return
+        self._spawn(self._grant_stage(msg), "stage-grant")
+
+    async def _grant_stage(self, msg: StageRequest) -> None:
+        if self._arena is None:
+            answer = StageGrant(room=msg.room, req_id=msg.req_id, offset=0, granted=False,
+                                reason="decode has no staging arena")
+        else:
+            try:
+                off = await self._arena.acquire(msg.nbytes, self.config.transfer_timeout)
+                self._stage_grants[(msg.endpoint, msg.req_id)] = (msg.room, off, msg.nbytes)
+                answer = StageGrant(room=msg.room, req_id=msg.req_id, offset=off, granted=True)
+            except (InvalidArgument, TransferTimeout) as exc:
+                answer = StageGrant(room=msg.room, req_id=msg.req_id, offset=0, granted=False, reason=str(exc))
+        await self._reply(msg.endpoint, answer)
+
+    def _on_staged(self, msg: Staged) -> None:
+        grant = self._stage_grants.pop((msg.endpoint, msg.req_id), None)
+        if grant is None:
+            self._drop("unexpected-staged", f"room {msg.room} piece {msg.req_id}")
+            return
+        room, off, nbytes = grant
+        assert self._arena is not None
+        reason = None
+        rx = self._receivers.get(msg.room)
+        if room != msg.room or off != msg.offset or msg.nbytes > nbytes:
+            reason = "staged piece does not match its grant"
+        elif rx is None or rx._pages is None:
+            reason = f"room {msg.room} is not open here"
+        elif msg.dst_start + msg.n_pages > rx._pages.size:
+            reason = f"staged pages [{msg.dst_start}, {msg.dst_start + msg.n_pages}) exceed the {rx._pages.size} declared"
+        elif any(b >= len(self.args.kv) for b in msg.buffers) or self._kv_views is None:
+            reason = "staged piece names unknown buffers"
+        elif any(self.args.kv[b].item_len != msg.rows * msg.heads * msg.head_bytes for b in msg.buffers):
+            reason = "staged row geometry does not match our pages"
+        if reason is not None:
+            self._arena.release(off, nbytes)
+            self._drop("invalid-staged", reason)
+            self._spawn(self._reply(msg.endpoint, StagedAck(room=msg.room, req_id=msg.req_id, ok=False,
+                                                            reason=reason)), "staged-nack")
+            return
+        assert rx is not None and rx._pages is not None and self._kv_views is not None
+        pages = rx._pages[msg.dst_start : msg.dst_start + msg.n_pages]
+        sl = RowSlice(msg.rows, msg.heads, msg.start, msg.count, msg.head_bytes)
+        views = [self._kv_views[b] for b in msg.buffers]
+        counts = [self.args.kv[b].num_items for b in msg.buffers]
+        src = self._arena.view[off : off + msg.nbytes]
+        self._spawn(self._scatter(msg, pages, sl, views, counts, src, off, nbytes), "scatter")
+
+    async def _scatter(self, msg: Staged, pages: np.ndarray, sl: RowSlice, views: list[np.ndarray],
+                       counts: list[int], src: np.ndarray, off: int, nbytes: int) -> None:
+        assert self._arena is not None
+        ok, reason = True, ""
+        try:
+            await self._offload.run(scatter_pages, views, counts, pages, sl, src,
+                                    timeout=self.config.transfer_timeout, what="staging scatter")
+            self.counters["staged_pieces_received"] += 1
+        except AiotransferError as exc:
+            ok, reason = False, str(exc)
+        finally:
+            self._arena.release(off, nbytes)
+        await self._reply(msg.endpoint, StagedAck(room=msg.room, req_id=msg.req_id, ok=ok, reason=reason))
 
     def _plan_kv(self, peer: _DecodePeer, src: np.ndarray, dst: np.ndarray) -> Blocks:
         pairing = peer.pairing
@@ -783,6 +1004,12 @@ class KVManager:
             self._on_topology(msg)
         elif isinstance(msg, RankRegister):
             self._on_rank_register(msg)
+        elif isinstance(msg, (StageGrant, StagedAck)):
+            self._on_stage_answer(msg)
+        elif isinstance(msg, StageRequest):
+            self._on_stage_request(msg)
+        elif isinstance(msg, Staged):
+            self._on_staged(msg)
 
     def _drop(self, cause: str, detail: str) -> None:
         self.counters[f"dropped_{cause}"] += 1
@@ -859,7 +1086,7 @@ class KVManager:
                 assert isinstance(verdict, KVPairing)
                 self._decode_peers[hello.endpoint] = _DecodePeer(
                     hello.endpoint, hello, kv_bases, item_lens, num_pages, aux_slots, aux_bases, state,
-                    verdict, kv_bases[verdict.dst], item_lens[verdict.dst],
+                    verdict, kv_bases[verdict.dst], item_lens[verdict.dst], hello.staging,
                 )
             else:
                 self.counters["peers_refused"] += 1

@@ -7,6 +7,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from .errors import InvalidArgument, TransferFailed, TransferTimeout
 from .plan import as_index_array, check_range, check_unique
 from .status import KVPoll, PollLatch
@@ -32,6 +34,7 @@ class KVReceiver:
         self.peer = peer
         self.prefill_dp_rank = prefill_dp_rank
         self._all_targets: list[str] = []
+        self._pages: np.ndarray | None = None
         self._latch = PollLatch()
         self._status = KVPoll.Bootstrapping
         self._reason: str | None = None
@@ -101,6 +104,7 @@ class KVReceiver:
         states = m._validate_state_indices(state_indices or {})
         t = m.config.handshake_timeout if timeout is None else timeout
         self._sent = True
+        self._pages = pages
         try:
             await m._send_request(self, pages, aux_index, states, timeout=t)
         except BaseException as exc:

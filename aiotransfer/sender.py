@@ -238,7 +238,8 @@ class KVSender:
         if not real or src.size == 0:
             return
         coros = [
-            self._m._write_kv(d.peer, src, d.kv_indices[start : start + src.size], timeout=timeout, room=self.room)
+            self._m._write_kv(d.peer, src, d.kv_indices[start : start + src.size], timeout=timeout, room=self.room,
+                              dst_start=start)
             for d in real
         ]
         if len(coros) == 1:

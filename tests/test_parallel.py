@@ -68,8 +68,9 @@ async def run_room(prefill: list[KVManager], decode: list[RemotePeer], room: int
     assert all(r["status"] == "Success" for r in results)
 
 
+@pytest.mark.parametrize("staging", ["always", "never"])
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(4, 2), (2, 4), (1, 2), (2, 1)])
-async def test_tp_mismatch_head_slices_byte_exact(engine: str, p_tp: int, d_tp: int) -> None:
+async def test_tp_mismatch_head_slices_byte_exact(engine: str, p_tp: int, d_tp: int, staging: str) -> None:
     g = global_kv(seed=10 * p_tp + d_tp)
     per_rank = [
         KVArgs(shard(g, r, p_tp), page_size=PS, dtype="uint8", tp_size=p_tp, tp_rank=r,
@@ -77,7 +78,7 @@ async def test_tp_mismatch_head_slices_byte_exact(engine: str, p_tp: int, d_tp: 
         for r in range(p_tp)
     ]
     rng = np.random.default_rng(p_tp * 7 + d_tp)
-    async with prefill_ranks(per_rank, engine) as prefill, decode_ranks(
+    async with prefill_ranks(per_rank, engine, staging=staging) as prefill, decode_ranks(
         engine, d_tp, buffers=2 * LAYERS, pages=PAGES, item_len=PS * (H // d_tp) * HB, page_size=PS,
         kv_heads=H // d_tp, total_kv_heads=H,
     ) as decode:
@@ -88,6 +89,8 @@ async def test_tp_mismatch_head_slices_byte_exact(engine: str, p_tp: int, d_tp: 
             for d, peer in enumerate(decode):
                 got = (await peer.call("digest", pages=dst))["digest"]
                 assert got == expected_digest(shard(g, d, d_tp), src), f"decode rank {d} room {room}"
+        staged = sum(m.stats().get("staged_pieces", 0) for m in prefill)
+        assert (staged > 0) == (staging == "always")
 
 
 async def test_gqa_replicated_heads_8_to_1(engine: str) -> None:

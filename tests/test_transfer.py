@@ -34,6 +34,32 @@ async def test_single_send_is_byte_exact(prefill: KVManager, decode: RemotePeer)
     assert tx.poll() is KVPoll.Success
 
 
+@pytest.mark.parametrize("staging", ["never", "always"])
+async def test_scattered_pages_direct_and_staged(engine: str, decode: RemotePeer, staging: str) -> None:
+    from aiotransfer import KVArgs, TransferConfig
+    from tests.peer import make_buffers
+
+    bufs = make_buffers(GEOMETRY["buffers"], PAGES, GEOMETRY["item_len"], seed=77)
+    cfg = TransferConfig(engine=engine, staging=staging, staging_bytes=1 << 20)  # small arena: many pieces
+    async with KVManager(KVArgs(bufs, page_size=16, dtype="uint8"), cfg) as mgr:
+        rng = np.random.default_rng(21)
+        dst, src = scattered(rng, 200), scattered(rng, 200)
+        tx = mgr.sender(12)
+        await decode.call("receiver", room=12, peer=mgr.endpoint, pages=dst)
+        await tx.wait_ready(timeout=10)
+        await tx.send_kv(src[:77], last=False)
+        await tx.send_kv(src[77:])
+        await decode.call("done", room=12)
+        assert (await decode.call("digest", pages=dst))["digest"] == expected_digest(bufs, src)
+        stats = mgr.stats()
+        if staging == "always":
+            assert stats["staged_pieces"] >= 200 * 4 * GEOMETRY["item_len"] // ((1 << 20) // 4)
+            assert stats["kv_entries_sent"] == stats["staged_pieces"]
+        else:
+            assert stats.get("staged_pieces", 0) == 0
+            assert stats["kv_entries_sent"] >= 4 * 190  # one entry per page run per buffer
+
+
 async def test_chunked_send_fills_consecutive_slices(prefill: KVManager, decode: RemotePeer) -> None:
     rng = np.random.default_rng(2)
     dst, src = scattered(rng, 100), scattered(rng, 100)

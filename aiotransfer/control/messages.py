@@ -16,6 +16,10 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Abort",
     "RankEndpoint",
+    "StageGrant",
+    "StageRequest",
+    "Staged",
+    "StagedAck",
     "RankRegister",
     "Topology",
     "TopologyQuery",
@@ -178,6 +182,55 @@ class Topology(msgspec.Struct, tag="topology", frozen=True):
     redirect: str = ""
 
 
+class StageRequest(msgspec.Struct, tag="stage_req", frozen=True):
+    """Prefill -> decode: reserve ``nbytes`` of your staging arena for a piece of ``room``."""
+
+    room: int
+    endpoint: str
+    req_id: int
+    nbytes: int
+
+
+class StageGrant(msgspec.Struct, tag="stage_grant", frozen=True):
+    """Decode -> prefill: where to write the piece (or why not)."""
+
+    room: int
+    req_id: int
+    offset: int
+    granted: bool
+    reason: str = ""
+
+
+class Staged(msgspec.Struct, tag="staged", frozen=True):
+    """Prefill -> decode: the piece landed at ``offset``; scatter it into the room's pages.
+
+    Layout: one segment per entry of ``buffers`` (decode buffer indices), each ``n_pages`` pages x
+    ``rows`` rows x ``count`` heads x ``head_bytes``, going to heads ``[start, start+count)`` of rows of
+    ``heads`` heads, for the decode pages ``kv_indices[dst_start : dst_start + n_pages]``.
+    """
+
+    room: int
+    endpoint: str
+    req_id: int
+    offset: int
+    nbytes: int
+    dst_start: int
+    n_pages: int
+    rows: int
+    heads: int
+    start: int
+    count: int
+    head_bytes: int
+    buffers: list[int]
+
+
+class StagedAck(msgspec.Struct, tag="staged_ack", frozen=True):
+    room: int
+    req_id: int
+    ok: bool
+    reason: str = ""
+
+
 class Abort(msgspec.Struct, tag="abort", frozen=True):
     """Either direction: fail the room on the other side too."""
 
@@ -189,6 +242,7 @@ class Abort(msgspec.Struct, tag="abort", frozen=True):
 
 Message = (
     Hello | HelloAck | TransferRequest | Status | AuxData | Abort | RankRegister | TopologyQuery | Topology
+    | StageRequest | StageGrant | Staged | StagedAck
 )
 
 _encoder = msgspec.msgpack.Encoder()
@@ -257,6 +311,20 @@ def validate(msg: Message) -> None:
     elif isinstance(msg, Abort):
         _check_room(msg.room)
         _check(len(msg.reason) <= 4096, "reason too long")
+    elif isinstance(msg, (StageRequest, StageGrant, StagedAck)):
+        _check_room(msg.room)
+        if isinstance(msg, StageRequest):
+            _check(0 < msg.nbytes < (1 << 40), "bad staging size")
+        if isinstance(msg, StageGrant):
+            _check(msg.offset >= 0, "bad staging offset")
+    elif isinstance(msg, Staged):
+        _check_room(msg.room)
+        _check(msg.offset >= 0 and msg.nbytes > 0 and msg.dst_start >= 0 and msg.n_pages > 0, "bad staged piece")
+        _check(msg.rows > 0 and msg.heads > 0 and msg.count > 0 and msg.head_bytes > 0, "bad staged geometry")
+        _check(0 <= msg.start and msg.start + msg.count <= msg.heads, "bad staged head range")
+        _check(0 < len(msg.buffers) <= _MAX_LIST and all(b >= 0 for b in msg.buffers), "bad staged buffers")
+        _check(msg.nbytes == len(msg.buffers) * msg.n_pages * msg.rows * msg.count * msg.head_bytes,
+               "staged size does not match its geometry")
     elif isinstance(msg, (RankRegister, TopologyQuery, Topology)):
         _check(msg.version == PROTOCOL_VERSION, f"protocol version {msg.version} != {PROTOCOL_VERSION}")
         if isinstance(msg, RankRegister):

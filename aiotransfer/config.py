@@ -96,6 +96,13 @@ class TransferConfig:
     pending_request_ttl: float = 600.0
     """How long transfer requests for a room nobody created a sender for are kept."""
 
+    heartbeat_interval: float = 1.0
+    """Seconds between liveness pings to every peer with an open room."""
+    peer_timeout: float = 3.0
+    """A peer silent this long is declared dead: its rooms fail on this side (the other side does the
+    same on its own), it is blacklisted and probed until it answers again."""
+    checksum: bool = False
+    """End-to-end CRC32 of every transferred byte, verified by decode before it reports Success."""
     staging: str = "auto"
     """Gather/scatter through a staging arena: ``auto`` (cost model), ``always`` or ``never``."""
     staging_bytes: int = 64 * 1024 * 1024
@@ -113,7 +120,8 @@ class TransferConfig:
             raise ConfigError(
                 f"aux_path must be one of {[p.value for p in AuxPath]}, got {self.aux_path!r}"
             ) from None
-        for name in ("handshake_timeout", "ready_timeout", "transfer_timeout", "done_timeout"):
+        for name in ("handshake_timeout", "ready_timeout", "transfer_timeout", "done_timeout",
+                     "heartbeat_interval", "peer_timeout"):
             _positive(name, getattr(self, name))
         for name in (
             "max_entries_in_flight",

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ._liveness import Liveness
 from ._offload import Offloader
 from ._poller import Poller
 from .args import Buffer, KVArgs
@@ -29,6 +30,8 @@ from .control.messages import (
     Hello,
     HelloAck,
     Message,
+    Ping,
+    Pong,
     RankEndpoint,
     RankRegister,
     Staged,
@@ -56,6 +59,7 @@ from .errors import (
     TransferFailed,
     TransferTimeout,
 )
+from .integrity import RoomChecksum, fold, region_crcs
 from .layout import KVPairing, RankGeometry, pair_buffers
 from .plan import Blocks, as_index_array, check_range, check_unique, plan_blocks, plan_head_slices
 from .receiver import KVReceiver
@@ -155,6 +159,7 @@ class KVManager:
         if self.config.staging_bytes and host_kv and self.config.staging != "never":
             self._arena = StagingArena(self.config.staging_bytes)
             self._regions.append(MemoryRegion(self._arena.ptr, self._arena.nbytes))
+        self._checksums: dict[tuple[int, str], RoomChecksum] = {}
         self._stage_ids = 0
         self._stage_waiters: dict[int, asyncio.Future[Any]] = {}
         self._stage_grants: dict[tuple[str, int], tuple[int, int, int]] = {}
@@ -202,6 +207,16 @@ class KVManager:
         self._pending: OrderedDict[int, _Pending] = OrderedDict()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.counters: Counter[str] = Counter()
+        self._liveness = Liveness(
+            interval=self.config.heartbeat_interval,
+            timeout=self.config.peer_timeout,
+            active_peers=self._active_peers,
+            ping=self._ping,
+            on_dead=self._on_peer_dead,
+            on_restart=self._on_peer_restart,
+        )
+        if self.config.checksum and self._kv_views is None:
+            raise InvalidArgument("checksum=True needs host-memory KV buffers")
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> KVManager:
@@ -236,6 +251,7 @@ class KVManager:
             )
             await self._control.start()
             self._ranks[self._rank_key()] = self._control.endpoint
+            self._liveness.start()
             if cfg.bootstrap:
                 await self._register_with_leader(cfg.bootstrap)
         except BaseException:
@@ -262,6 +278,7 @@ class KVManager:
         for room, rx in list(self._receivers.items()):
             if not rx.poll().is_terminal:
                 self._rx_update(room, KVPoll.Failed, "manager closed")
+        await self._liveness.aclose()
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):
@@ -407,6 +424,55 @@ class KVManager:
             self._receivers.pop(room, None)
             self.counters[f"rooms_received_{new.name.lower()}"] += 1
 
+    # -- liveness ------------------------------------------------------------------------------
+    def _active_peers(self) -> set[str]:
+        peers: set[str] = set()
+        for tx in self._senders.values():
+            peers.update(tx._dsts)
+        for rx in self._receivers.values():
+            peers.update(rx._all_targets)
+        return peers
+
+    async def _ping(self, endpoint: str) -> None:
+        if self._control is None:
+            return
+        msg = Ping(endpoint=self.endpoint, nonce=secrets.randbits(32), incarnation=self.generation)
+        with contextlib.suppress(AiotransferError):
+            await self._control.send(endpoint, msg, timeout=0.05)
+
+    def _fail_rooms_with(self, endpoint: str, reason: str) -> int:
+        failed = 0
+        for room, tx in list(self._senders.items()):
+            if endpoint in tx._dsts and not tx.poll().is_terminal:
+                self._tx_update(room, KVPoll.Failed, reason)
+                failed += 1
+        for room, rx in list(self._receivers.items()):
+            if endpoint in rx._all_targets and not rx.poll().is_terminal:
+                self._rx_update(room, KVPoll.Failed, reason)
+                failed += 1
+        return failed
+
+    def _forget_prefill(self, endpoint: str) -> None:
+        self._prefill_peers.pop(endpoint, None)
+        self._hello_tasks.pop(endpoint, None)
+        for key, topo in list(self._topologies.items()):
+            if endpoint in topo.endpoints.values() or key == endpoint:
+                del self._topologies[key]
+
+    def _on_peer_dead(self, endpoint: str, reason: str) -> None:
+        self.counters["peers_declared_dead"] += 1
+        n = self._fail_rooms_with(endpoint, reason)
+        self.counters["rooms_failed_dead_peer"] += n
+        self._forget_prefill(endpoint)
+        peer = self._decode_peers.get(endpoint)
+        if peer is not None and self._engine is not None:
+            self._engine.forget_peer(peer.session_id)
+
+    def _on_peer_restart(self, endpoint: str) -> None:
+        self.counters["peer_restarts"] += 1
+        self._fail_rooms_with(endpoint, f"peer {endpoint} restarted; its earlier state is gone")
+        self._forget_prefill(endpoint)
+
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
@@ -524,7 +590,11 @@ class KVManager:
             ep = resolved.endpoints.get((dp, t.tp_rank, t.pp_rank, t.cp_rank))
             if ep is None:
                 raise PeerError(f"prefill topology from {rx.peer} lacks rank dp={dp} tp={t.tp_rank} pp={t.pp_rank}")
+            if self._liveness.is_dead(ep):
+                raise PeerError(f"prefill rank {ep} was declared dead and has not answered since; probing it")
             endpoints.append(ep)
+        for ep in endpoints:
+            self._liveness.activate(ep)
         peers = await asyncio.gather(*(
             self._ensure_prefill_peer(ep, max(deadline - loop.time(), 0.01)) for ep in dict.fromkeys(endpoints)
         ))
@@ -558,6 +628,65 @@ class KVManager:
     # -- prefill side: transfers ---------------------------------------------------------------
     async def _write_kv(
         self, peer: _DecodePeer, src: np.ndarray, dst: np.ndarray, *, timeout: float, room: int, dst_start: int = 0
+    ) -> None:
+        await self._write_kv_inner(peer, src, dst, timeout=timeout, room=room, dst_start=dst_start)
+        if self.config.checksum:
+            await self._checksum_add(peer, room, src, timeout)
+
+    def _row_slices(self, peer: _DecodePeer) -> tuple[list[RowSlice], list[RowSlice]]:
+        """Per paired buffer: the (source, destination) row slice that moves."""
+        pairing = peer.pairing
+        if pairing.heads is None:
+            src = [RowSlice(1, 1, 0, 1, self.args.kv[i].item_len) for i in pairing.src]
+            return src, src
+        hs = pairing.heads
+        rows, hb = pairing.rows_per_page, pairing.head_bytes
+        n = int(pairing.src.size)
+        return ([RowSlice(rows, hs.src_heads, hs.src_start, hs.count, hb)] * n,
+                [RowSlice(rows, hs.dst_heads, hs.dst_start, hs.count, hb)] * n)
+
+    async def _checksum_add(self, peer: _DecodePeer, room: int, src: np.ndarray, timeout: float) -> None:
+        assert self._kv_views is not None
+        key = (room, peer.endpoint)
+        acc = self._checksums.get(key)
+        if acc is None:
+            acc = self._checksums[key] = RoomChecksum(self._row_slices(peer)[0])
+        idx = peer.pairing.src
+        views = [self._kv_views[i] for i in idx]
+        counts = [self.args.kv[i].num_items for i in idx]
+        await self._offload.run(acc.add, views, counts, src, timeout=timeout, what="checksum")
+
+    def _checksum_fields(self, room: int, peer: _DecodePeer) -> tuple[int, list[int]]:
+        acc = self._checksums.pop((room, peer.endpoint), None)
+        if acc is None:
+            return -1, []
+        fields: list[int] = []
+        for sl, b in zip(self._row_slices(peer)[1], peer.pairing.dst, strict=True):
+            fields += [sl.rows, sl.heads, sl.start, sl.count, sl.head_bytes, int(b)]
+        return acc.value, fields
+
+    async def _verify_checksum(self, rx: KVReceiver, msg: Status) -> str | None:
+        """Decode: recompute what ``msg``'s rank wrote; returns a failure reason or None."""
+        f = msg.slices
+        if self._kv_views is None or rx._pages is None or len(f) % 6 or not f:
+            return "checksum received but cannot be verified here"
+        slices, views, counts = [], [], []
+        for i in range(0, len(f), 6):
+            rows, heads, start, count, hb, b = f[i : i + 6]
+            if not 0 <= b < len(self.args.kv) or self.args.kv[b].item_len != rows * heads * hb or start + count > heads:
+                return "checksum geometry does not match our buffers"
+            slices.append(RowSlice(rows, heads, start, count, hb))
+            views.append(self._kv_views[b])
+            counts.append(self.args.kv[b].num_items)
+        crcs = await self._offload.run(region_crcs, views, counts, rx._pages, slices,
+                                       timeout=self.config.transfer_timeout, what="checksum verify")
+        got = fold(crcs)
+        if got != msg.checksum:
+            return f"checksum mismatch for data from prefill rank {msg.rank}: sent {msg.checksum:#010x}, got {got:#010x}"
+        return None
+
+    async def _write_kv_inner(
+        self, peer: _DecodePeer, src: np.ndarray, dst: np.ndarray, *, timeout: float, room: int, dst_start: int
     ) -> None:
         assert self._poller is not None
         pairing = peer.pairing
@@ -846,8 +975,9 @@ class KVManager:
         assert self._control is not None
         loop = asyncio.get_running_loop()
         for d in dsts:
+            checksum, slices = self._checksum_fields(tx.room, d.peer)
             msg = Status(room=tx.room, status=int(KVPoll.Success), rank=self._rank_id(), endpoint=self.endpoint,
-                         aux_path=tx.aux_path or "")
+                         aux_path=tx.aux_path or "", checksum=checksum, slices=slices)
             await self._control.send(d.peer.endpoint, msg, timeout=max(deadline - loop.time(), 0.001))
         self._tx_update(tx.room, KVPoll.Success)
 
@@ -984,7 +1114,15 @@ class KVManager:
 
     # -- inbound control messages -------------------------------------------------------------
     def _dispatch(self, msg: Message) -> None:
-        if isinstance(msg, TransferRequest):
+        sender = getattr(msg, "endpoint", None)
+        if sender:
+            self._liveness.seen(sender)
+        if isinstance(msg, Ping):
+            pong = Pong(endpoint=self.endpoint, nonce=msg.nonce, incarnation=self.generation)
+            self._spawn(self._reply(msg.endpoint, pong), "pong")
+        elif isinstance(msg, Pong):
+            self._liveness.incarnation(msg.endpoint, msg.incarnation)
+        elif isinstance(msg, TransferRequest):
             self._on_request(msg)
         elif isinstance(msg, Status):
             self._on_status(msg)
@@ -1082,7 +1220,8 @@ class KVManager:
                 }
                 old = self._decode_peers.get(hello.endpoint)
                 if old is not None and old.hello.generation != hello.generation:
-                    self.counters["decode_peer_restarts"] += 1
+                    self.counters["decode_peer_reregistered"] += 1
+                    self._fail_rooms_with(hello.endpoint, f"decode {hello.endpoint} registered again (restarted?)")
                 assert isinstance(verdict, KVPairing)
                 self._decode_peers[hello.endpoint] = _DecodePeer(
                     hello.endpoint, hello, kv_bases, item_lens, num_pages, aux_slots, aux_bases, state,
@@ -1166,6 +1305,7 @@ class KVManager:
                 raise InvalidArgument(f"{kind} state takes exactly one slot per request, got {len(idx)}")
 
     def _accept_request(self, tx: KVSender, peer: _DecodePeer, req: TransferRequest, idx: np.ndarray) -> None:
+        self._liveness.activate(req.endpoint)
         reason = tx._add_request(peer, req, idx)
         if reason is not None:
             self._drop("refused-request", reason)
@@ -1190,8 +1330,21 @@ class KVManager:
         if rx is None:
             self._drop("unknown-room", f"status for room {msg.room}")
             return
+        if msg.status == int(KVPoll.Success) and msg.checksum >= 0 and msg.endpoint in rx._targets:
+            self._spawn(self._verified_status(rx, msg), "verify")
+            return
         if not rx._on_prefill_status(msg.endpoint, msg.rank, KVPoll(msg.status), msg.reason, msg.aux_path):
             self._drop("wrong-peer", f"status for room {msg.room} from {msg.endpoint}")
+
+    async def _verified_status(self, rx: KVReceiver, msg: Status) -> None:
+        reason = await self._verify_checksum(rx, msg)
+        if reason is not None:
+            self.counters["checksum_mismatches"] += 1
+            log.error("room %d: %s", rx.room, reason)
+            await rx.abort(reason)
+            return
+        self.counters["checksums_verified"] += 1
+        rx._on_prefill_status(msg.endpoint, msg.rank, KVPoll.Success, msg.reason, msg.aux_path)
 
     def _on_abort(self, msg: Abort) -> None:
         tx = self._senders.get(msg.room)
@@ -1199,6 +1352,10 @@ class KVManager:
             self._tx_update(msg.room, KVPoll.Failed, f"aborted by decode: {msg.reason}")
             return
         if self._pending.pop(msg.room, None) is not None:
+            return
+        if msg.reason.startswith("checksum mismatch"):
+            self.counters["checksum_mismatches_reported"] += 1
+            log.error("decode %s reports for room %d: %s", msg.endpoint, msg.room, msg.reason)
             return
         rx = self._receivers.get(msg.room)
         if rx is not None and msg.endpoint in rx._targets:

@@ -56,6 +56,7 @@ class KVSender:
         self._chunk_finished = asyncio.Event()
         self._changed = asyncio.Event()
         self._latch = PollLatch()
+        self._failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._status = KVPoll.Bootstrapping
         self._reason: str | None = None
         self._kv_done = False
@@ -86,7 +87,26 @@ class KVSender:
         self._status = status
         if status is KVPoll.Failed and self._reason is None:
             self._reason = reason or "failed"
+            if not self._failed.done():
+                self._failed.set_result(None)
         self._changed.set()
+
+    async def _guard(self, coro: Any) -> Any:
+        """Run ``coro`` but return as soon as the room fails elsewhere (peer declared dead, abort...).
+
+        The interrupted engine transfers keep their buffers pinned until the engine reports them done.
+        """
+        task = asyncio.ensure_future(coro)
+        try:
+            done, _ = await asyncio.wait({task, self._failed}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if task in done:
+            return task.result()
+        task.cancel()
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        raise TransferFailed(self._reason or "failed", room=self.room)
 
     async def _wait_until(self, predicate: Any, timeout: float, what: str) -> None:
         loop = asyncio.get_running_loop()
@@ -220,9 +240,9 @@ class KVSender:
         m._tx_update(self.room, KVPoll.Transferring)
         self._chunks_in_flight += 1
         try:
-            await self._run_chunk(src, start, t)
+            await self._guard(self._run_chunk(src, start, t))
             if last:
-                await self._finish(t)
+                await self._guard(self._finish(t))
         except TransferFailed as exc:
             await asyncio.shield(self._fail(exc.reason))
             raise
@@ -305,8 +325,9 @@ class KVSender:
         m._tx_update(self.room, KVPoll.Transferring)
         try:
             dsts = [d for d in self._real_dsts() if d.request.aux_index >= 0]
-            paths = await asyncio.gather(*(m._send_aux(d.peer, self.room, int(aux_index), d.request.aux_index, t)
-                                           for d in dsts))
+            paths = await self._guard(asyncio.gather(*(
+                m._send_aux(d.peer, self.room, int(aux_index), d.request.aux_index, t) for d in dsts
+            )))
         except TransferFailed as exc:
             await asyncio.shield(self._fail(exc.reason))
             raise
@@ -347,11 +368,11 @@ class KVSender:
         deadline = loop.time() + t
         m._tx_update(self.room, KVPoll.Transferring)
         try:
-            await asyncio.gather(*(
+            await self._guard(asyncio.gather(*(
                 m._write_state(d.peer, kind, np.asarray(idx, dtype=np.int64),
                                np.asarray(d.request.state_indices[kind], dtype=np.int64), timeout=t, room=self.room)
                 for d in self._real_dsts() for kind, idx in local.items()
-            ))
+            )))
         except TransferFailed as exc:
             await self._fail(exc.reason)
             raise

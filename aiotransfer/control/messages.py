@@ -15,6 +15,8 @@ from ..errors import ProtocolError
 __all__ = [
     "PROTOCOL_VERSION",
     "Abort",
+    "Ping",
+    "Pong",
     "RankEndpoint",
     "StageGrant",
     "StageRequest",
@@ -122,6 +124,10 @@ class Status(msgspec.Struct, tag="status", frozen=True):
     endpoint: str
     reason: str = ""
     aux_path: str = ""
+    checksum: int = -1
+    """CRC32 of every byte this rank wrote for the room, in canonical order (-1: not computed)."""
+    slices: list[int] = []
+    """For the checksum: rows, heads, start, count, head_bytes, then the decode buffer indices."""
 
 
 class AuxData(msgspec.Struct, tag="aux", frozen=True):
@@ -231,6 +237,20 @@ class StagedAck(msgspec.Struct, tag="staged_ack", frozen=True):
     reason: str = ""
 
 
+class Ping(msgspec.Struct, tag="ping", frozen=True):
+    """Liveness probe; answered with :class:`Pong`."""
+
+    endpoint: str
+    nonce: int
+    incarnation: int = 0
+
+
+class Pong(msgspec.Struct, tag="pong", frozen=True):
+    endpoint: str
+    nonce: int
+    incarnation: int = 0
+
+
 class Abort(msgspec.Struct, tag="abort", frozen=True):
     """Either direction: fail the room on the other side too."""
 
@@ -242,7 +262,7 @@ class Abort(msgspec.Struct, tag="abort", frozen=True):
 
 Message = (
     Hello | HelloAck | TransferRequest | Status | AuxData | Abort | RankRegister | TopologyQuery | Topology
-    | StageRequest | StageGrant | Staged | StagedAck
+    | StageRequest | StageGrant | Staged | StagedAck | Ping | Pong
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -1052,6 +1052,8 @@ class KVManager:
         cached = self._topologies.get(peer)
         if cached is not None:
             return cached
+        if self._liveness.is_dead(peer):
+            raise PeerError(f"prefill {peer} was declared dead and has not answered since; probing it")
         assert self._control is not None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout

@@ -82,9 +82,9 @@ async def test_garbage_leaves_manager_working(prefill: KVManager, decode: Remote
     await decode.call("done", room=1)
 
 
-async def test_hostile_request_indices_fail_the_room_on_both_sides(prefill: KVManager) -> None:
+async def test_hostile_request_indices_fail_the_room_on_both_sides(prefill: KVManager, engine: str) -> None:
     """A registered decode asking for pages beyond what it registered is refused with a reason."""
-    peer = await RemotePeer.start("mooncake_tcp", **GEOMETRY)
+    peer = await RemotePeer.start(engine, **GEOMETRY)
     try:
         tx = prefill.sender(2)
         await peer.call("receiver", room=2, peer=prefill.endpoint, pages=[1])  # registers, room 2 is fine
@@ -114,8 +114,8 @@ async def test_hostile_request_indices_fail_the_room_on_both_sides(prefill: KVMa
         await peer.close()
 
 
-async def test_forged_status_from_wrong_peer_is_ignored(prefill: KVManager) -> None:
-    cfg = TransferConfig(engine="mooncake_tcp")
+async def test_forged_status_from_wrong_peer_is_ignored(prefill: KVManager, engine: str) -> None:
+    cfg = TransferConfig(engine=engine)
     dst = [np.zeros((GEOMETRY["pages"], GEOMETRY["item_len"]), np.uint8) for _ in range(GEOMETRY["buffers"])]
     async with KVManager(KVArgs(dst, page_size=16, dtype="uint8"), cfg) as dec:
         rx = dec.receiver(5, prefill.endpoint)
@@ -137,8 +137,8 @@ async def test_forged_status_from_wrong_peer_is_ignored(prefill: KVManager) -> N
         assert rx.poll() is KVPoll.Success
 
 
-async def test_incompatible_peer_is_refused_at_registration(prefill: KVManager) -> None:
-    peer = await RemotePeer.start("mooncake_tcp", buffers=GEOMETRY["buffers"], pages=64, item_len=2048)
+async def test_incompatible_peer_is_refused_at_registration(prefill: KVManager, engine: str) -> None:
+    peer = await RemotePeer.start(engine, buffers=GEOMETRY["buffers"], pages=64, item_len=2048)
     try:
         with pytest.raises(Exception, match="KV item length mismatch at buffer 0: peer 2048"):
             await peer.call("receiver", room=1, peer=prefill.endpoint, pages=[1])
@@ -147,8 +147,8 @@ async def test_incompatible_peer_is_refused_at_registration(prefill: KVManager) 
         await peer.close()
 
 
-async def test_unregistered_requester_is_refused(prefill: KVManager) -> None:
-    cfg = TransferConfig(engine="mooncake_tcp")
+async def test_unregistered_requester_is_refused(prefill: KVManager, engine: str) -> None:
+    cfg = TransferConfig(engine=engine)
     dst = [np.zeros((GEOMETRY["pages"], GEOMETRY["item_len"]), np.uint8) for _ in range(GEOMETRY["buffers"])]
     async with KVManager(KVArgs(dst, page_size=16, dtype="uint8"), cfg) as dec:
         rx = dec.receiver(6, prefill.endpoint)

@@ -8,7 +8,7 @@ from aiotransfer.errors import ConfigError, IncompatiblePeer
 from aiotransfer.topology import HeadSlice, ParallelInfo, head_slice, held_heads, map_ranks, unique_rank
 
 
-def _targets(m):  # type: ignore[no-untyped-def]
+def _targets(m):
     return [(t.tp_rank, t.pp_rank, t.cp_rank, t.is_dummy) for t in m.targets]
 
 

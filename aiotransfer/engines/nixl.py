@@ -1,0 +1,471 @@
+"""NVIDIA NIXL adapter (``nixl`` / ``nixl_cu12`` / ``nixl_cu13``, UCX backend).
+
+Install on CPU hosts with ``pip install --no-deps nixl-cu12 numpy``: a plain ``pip install nixl-cu12``
+also pulls a multi-GB CUDA build of torch that NIXL only uses for type hints. On GPU hosts use
+``pip install nixl-cu12`` (CUDA 12) or ``pip install nixl-cu13`` (CUDA 13).
+
+One NIXL agent per adapter, named ``aiotransfer-<host>-<pid>-<random>``; that name is the session id.
+
+=====================  ==================================  ===============  ===========================
+method                 blocks?                             GIL released     thread-safe
+=====================  ==================================  ===============  ===========================
+``__init__``           yes: agent + UCX init (~0.2 s)      no               -- (offload thread)
+``register``           short (memory registration)         yes (binding)    yes (agent lock)
+``connect``            short: loads the peer's metadata,   yes (binding)    yes (agent lock)
+                       then ``make_connection``
+``submit_write``       short: builds NumPy descriptor      while NIXL       yes (agent lock)
+                       lists, then a non-blocking post     creates/posts
+``check``              no (~1 us)                          yes (binding)    yes (agent lock)
+``wait``               yes: polls ``check`` with short     yes              yes; blocking callers only
+                       sleeps until done or ``timeout``
+``close``              short                               partly           yes (agent lock)
+=====================  ==================================  ===============  ===========================
+
+NIXL calls must be serialised per agent: the poll loop calls ``check`` from the event-loop thread
+while ``submit_write`` runs inline or on one executor thread, so every agent call takes one
+``threading.Lock``. Handles are POLL handles (``initialize_xfer`` + ``transfer`` + ``check_xfer_state``);
+the native xfer handle is released as soon as a terminal state is seen (or NIXL raised), and a
+:class:`~aiotransfer.engines.base.TransferHandle` is never queried twice. Handles that fail to release
+are kept in a ledger, retried at :meth:`NixlEngine.close` and logged.
+
+``local_info()`` is a small envelope (msgpack): the agent metadata plus the table of registered
+regions (address, size, DRAM/VRAM, device id), because a remote descriptor must name the peer's
+memory type and device. It is a snapshot: memory registered after the peer connected is unknown to it.
+
+Environment defaults, set before the first agent (an explicit value wins): ``NIXL_LOG_LEVEL`` from the
+config's ``engine_log_level`` (NIXL otherwise logs INFO lines to stdout), and, on hosts without an RDMA
+device, ``UCX_MODULES=^ib*``: the wheel's bundled libibverbs otherwise loads the system's rdma-core
+providers, two copies of libnl end up in the process and it segfaults at exit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from ..config import TransferConfig
+from ..errors import ClosedError, EngineError, EngineUnavailable
+from ..plan import Blocks
+from .base import EngineStatus, MemoryRegion, TransferHandle, WaitMode
+
+__all__ = ["NixlEngine", "nixl_env_defaults"]
+
+log = logging.getLogger("aiotransfer.engines.nixl")
+
+_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")  # the meta package picks by CUDA version
+_INSTALL_HINT = (
+    "pip install --no-deps nixl-cu12 numpy (CPU hosts: the plain install pulls a multi-GB CUDA torch "
+    "build that NIXL only needs for type hints); on GPU hosts pip install nixl-cu12 (CUDA 12) or "
+    "nixl-cu13 (CUDA 13)"
+)
+_MEM_TYPES = ("DRAM", "VRAM")
+_INFO_VERSION = 1
+_WAIT_SLEEP_MAX = 0.001
+_NIXL_LEVELS = {"WARNING": "WARN", "CRITICAL": "FATAL"}
+
+
+def nixl_env_defaults(environ: Mapping[str, str], *, log_level: str, has_rdma_device: bool) -> dict[str, str]:
+    """Variables to ``setdefault`` before the first agent exists (pure; an explicit value wins)."""
+    level = log_level.strip().upper()
+    out = {"NIXL_LOG_LEVEL": _NIXL_LEVELS.get(level, level)}
+    if not has_rdma_device:
+        out["UCX_MODULES"] = "^ib*"
+    return {k: v for k, v in out.items() if k not in environ}
+
+
+def _has_rdma_device() -> bool:
+    try:
+        return any(os.scandir("/sys/class/infiniband"))
+    except OSError:
+        return False
+
+
+def _import_api(config: TransferConfig, environ: MutableMapping[str, str]) -> Any:
+    for key, value in nixl_env_defaults(
+        environ, log_level=config.engine_log_level, has_rdma_device=_has_rdma_device()
+    ).items():
+        environ.setdefault(key, value)
+    errors: list[str] = []
+    for name in _MODULES:
+        module = _try_import(name, errors)
+        if module is not None:
+            return module
+    raise EngineUnavailable(f"NIXL cannot be loaded ({'; '.join(errors)}); {_INSTALL_HINT}")
+
+
+def _try_import(name: str, errors: list[str]) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        errors.append(f"{name}: {exc}")
+        return None
+
+
+def _nixl_error(exc: BaseException) -> str:
+    """``nixlNotFoundError: NIXL_ERR_NOT_FOUND`` from a binding exception."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _quietly(what: str, fn: Callable[..., Any], *args: Any) -> bool:
+    """Call a NIXL cleanup function; log (never raise) a failure."""
+    try:
+        fn(*args)
+    except Exception as exc:
+        log.warning("NIXL %s failed: %s", what, _nixl_error(exc))
+        return False
+    return True
+
+
+def _memory_kind(device: str) -> tuple[int, int]:
+    """(index into _MEM_TYPES, device id) for a MemoryRegion device string."""
+    kind, _, index = device.partition(":")
+    if kind == "cpu":
+        return 0, 0
+    if kind == "cuda" and (not index or index.isdigit()):
+        return 1, int(index or 0)
+    raise EngineError(f"NIXL adapter cannot register device {device!r}: expected 'cpu' or 'cuda:N'")
+
+
+class _RegionTable:
+    """Sorted registered regions; maps absolute addresses to (kind, device id) in bulk."""
+
+    def __init__(self, rows: Sequence[tuple[int, int, int, int]]) -> None:
+        self.rows: list[tuple[int, int, int, int]] = sorted((int(a), int(b), int(c), int(d)) for a, b, c, d in rows)
+        arr = np.array(self.rows, dtype=np.uint64).reshape(-1, 4)
+        self.starts = arr[:, 0].copy()
+        self.ends = arr[:, 0] + arr[:, 1]
+        self.kinds = arr[:, 2].copy()
+        self.devs = arr[:, 3].copy()
+
+    def locate(self, addrs: npt.NDArray[np.uint64], what: str) -> npt.NDArray[np.intp]:
+        """Index of the region holding each address; raises EngineError naming the first stray one."""
+        idx = np.searchsorted(self.starts, addrs, side="right") - 1
+        inside = idx >= 0
+        inside[inside] = addrs[inside] < self.ends[idx[inside]]
+        if not inside.all():
+            bad = int(addrs[int(np.argmin(inside))])
+            raise EngineError(f"{what} address {bad:#x} is not inside any registered region")
+        return idx
+
+
+class _PeerInfo(msgspec.Struct, frozen=True, array_like=True):
+    version: int
+    agent: str
+    metadata: bytes
+    regions: list[tuple[int, int, int, int]]
+
+
+@dataclass
+class _Peer:
+    info: bytes
+    name: str
+    table: _RegionTable
+
+
+@dataclass
+class _Xfer:
+    """What a TransferHandle's token holds: the native xfer handle, until released."""
+
+    native: Any
+    released: bool = False
+    done_at_post: bool = False
+
+
+class NixlEngine:
+    """NIXL adapter with one agent per instance (see module docstring)."""
+
+    name = "nixl"
+
+    def __init__(self, config: TransferConfig) -> None:
+        api = _import_api(config, os.environ)
+        self._api = api
+        self._agent_name = f"aiotransfer-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            agent = api.nixl_agent(self._agent_name, api.nixl_agent_config(backends=["UCX"]))
+        except Exception as exc:
+            raise EngineError(f"NIXL agent creation failed: {_nixl_error(exc)}") from exc
+        if "UCX" not in agent.backends:
+            raise EngineUnavailable(
+                f"NIXL has no UCX backend here (plugins: {', '.join(agent.get_plugin_list())}); "
+                "reinstall the nixl wheel or set NIXL_PLUGIN_DIR"
+            )
+        self._agent: Any = agent
+        self._lock = threading.Lock()
+        self._regions: dict[MemoryRegion, tuple[Any, int]] = {}  # region -> (reg descs, refcount)
+        self._local = _RegionTable([])
+        self._peers: dict[str, _Peer] = {}
+        self._live: set[TransferHandle] = set()
+        self._unreleased: list[Any] = []
+        self._closed = False
+        tls = os.environ.get("UCX_TLS", "").strip()
+        self._transport = f"ucx({tls})" if tls else "ucx"
+        log.info("NIXL agent up: %s via %s (transport %s)", self._agent_name, api.__name__, self._transport)
+
+    # -- identity ------------------------------------------------------------------------------
+    @property
+    def session_id(self) -> str:
+        return self._agent_name
+
+    @property
+    def transport(self) -> str:
+        return self._transport
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "engine": self.name,
+            "session_id": self._agent_name,
+            "transport": self._transport,
+            "backend": "UCX",
+            "module": self._api.__name__,
+            "regions": len(self._regions),
+            "peers": len(self._peers),
+            "in_flight": len(self._live),
+            "unreleased_handles": len(self._unreleased),
+        }
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"peers={len(self._peers)} in_flight={len(self._live)}"
+        return f"<NixlEngine {self._agent_name} {self._transport} {state}>"
+
+    def _check_open(self) -> Any:
+        if self._closed:
+            raise ClosedError("NIXL engine is closed")
+        return self._agent
+
+    def local_info(self) -> bytes:
+        with self._lock:
+            agent = self._check_open()
+            try:
+                metadata = agent.get_agent_metadata()
+            except Exception as exc:
+                raise EngineError(f"NIXL get_agent_metadata failed: {_nixl_error(exc)}") from exc
+            rows = list(self._local.rows)
+        return msgspec.msgpack.encode(_PeerInfo(_INFO_VERSION, self._agent_name, bytes(metadata), rows))
+
+    # -- memory --------------------------------------------------------------------------------
+    def register(self, regions: Sequence[MemoryRegion]) -> None:
+        with self._lock:
+            agent = self._check_open()
+            for r in regions:
+                held = self._regions.get(r)
+                if held is not None:
+                    self._regions[r] = (held[0], held[1] + 1)
+                    continue
+                kind, dev = _memory_kind(r.device)
+                try:
+                    descs = agent.register_memory([(r.ptr, r.nbytes, dev, "")], _MEM_TYPES[kind])
+                except Exception as exc:
+                    raise EngineError(
+                        f"NIXL register_memory({r.ptr:#x}, {r.nbytes}, {r.device}) failed: {_nixl_error(exc)}"
+                    ) from exc
+                self._regions[r] = (descs, 1)
+            self._rebuild_local()
+
+    def deregister(self, regions: Sequence[MemoryRegion]) -> None:
+        with self._lock:
+            if self._closed:
+                return  # close() deregistered everything
+            agent = self._agent
+            for r in regions:
+                held = self._regions.get(r)
+                if held is None:
+                    continue
+                descs, count = held
+                if count > 1:
+                    self._regions[r] = (descs, count - 1)
+                    continue
+                del self._regions[r]
+                _quietly(f"deregister_memory({r.ptr:#x})", agent.deregister_memory, descs)
+            self._rebuild_local()
+
+    def _rebuild_local(self) -> None:
+        self._local = _RegionTable([(r.ptr, r.nbytes, *_memory_kind(r.device)) for r in self._regions])
+
+    # -- peers ---------------------------------------------------------------------------------
+    def connect(self, peer: str, peer_info: bytes, probe_addr: int) -> None:
+        """Load the peer's agent metadata (idempotent) and open the UCX connection now."""
+        if not peer_info:
+            raise EngineError(
+                f"no NIXL metadata from peer {peer}: its Hello carried empty engine info "
+                "(is the peer running a NIXL engine?)"
+            )
+        try:
+            info = msgspec.msgpack.decode(peer_info, type=_PeerInfo)
+        except msgspec.DecodeError as exc:
+            raise EngineError(f"malformed NIXL peer info from {peer}: {exc}") from exc
+        if info.version != _INFO_VERSION:
+            raise EngineError(f"NIXL peer info version {info.version} from {peer}; expected {_INFO_VERSION}")
+        if info.agent != peer:
+            raise EngineError(f"NIXL peer info from {peer!r} describes agent {info.agent!r}")
+        if not info.metadata:
+            raise EngineError(f"NIXL peer {peer} sent empty agent metadata")
+        if any(kind >= len(_MEM_TYPES) for _p, _n, kind, _d in info.regions):
+            raise EngineError(f"NIXL peer info from {peer} names an unknown memory type")
+        with self._lock:
+            agent = self._check_open()
+            known = self._peers.get(peer)
+            if known is not None and known.info == peer_info:
+                return
+            try:
+                loaded = agent.add_remote_agent(info.metadata)
+            except Exception as exc:
+                raise EngineError(f"NIXL add_remote_agent for {peer} failed: {_nixl_error(exc)}") from exc
+            name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if name != peer:
+                self._remove_remote(agent, name)
+                raise EngineError(f"NIXL metadata for {peer!r} describes agent {name!r}")
+            try:
+                agent.make_connection(name)
+            except Exception as exc:
+                self._remove_remote(agent, name)
+                raise EngineError(f"NIXL make_connection to {peer} failed: {_nixl_error(exc)}") from exc
+            self._peers[peer] = _Peer(peer_info, name, _RegionTable(info.regions))
+
+    def forget_peer(self, peer: str) -> None:
+        with self._lock:
+            known = self._peers.pop(peer, None)
+            if known is not None and not self._closed:
+                self._remove_remote(self._agent, known.name)
+
+    @staticmethod
+    def _remove_remote(agent: Any, name: str) -> None:
+        _quietly(f"remove_remote_agent({name})", agent.remove_remote_agent, name)
+
+    # -- transfers -----------------------------------------------------------------------------
+    def submit_write(self, peer: str, blocks: Blocks) -> TransferHandle:
+        n = len(blocks)
+        if n == 0:
+            raise EngineError("empty transfer batch")
+        with self._lock:
+            agent = self._check_open()
+            known = self._peers.get(peer)
+            if known is None:
+                raise EngineError(f"NIXL peer {peer} is not connected")
+            src = np.ascontiguousarray(blocks.src, dtype=np.uint64)
+            dst = np.ascontiguousarray(blocks.dst, dtype=np.uint64)
+            length = np.ascontiguousarray(blocks.length, dtype=np.uint64)
+            local_mem, local_descs = _descs(self._local, src, length, "local source")
+            remote_mem, remote_descs = _descs(known.table, dst, length, f"destination on {peer}")
+            try:
+                lx = agent.get_xfer_descs(local_descs, local_mem)
+                rx = agent.get_xfer_descs(remote_descs, remote_mem)
+                native = agent.initialize_xfer("WRITE", lx, rx, known.name)
+            except Exception as exc:
+                raise EngineError(
+                    f"NIXL rejected a {n}-entry write to {peer}: {_nixl_error(exc)} (a descriptor lies "
+                    "outside memory registered on either side, or the peer is unknown)"
+                ) from exc
+            xfer = _Xfer(native)
+            handle = TransferHandle(token=xfer, mode=WaitMode.POLL, peer=peer, entries=n, nbytes=blocks.nbytes)
+            try:
+                state = agent.transfer(native)
+            except Exception as exc:
+                self._release(xfer)
+                raise EngineError(f"NIXL transfer to {peer} failed to post: {_nixl_error(exc)}") from exc
+            if state == "ERR":
+                self._release(xfer)
+                raise EngineError(f"NIXL refused to post a {n}-entry write to {peer} (ERR)")
+            xfer.done_at_post = state == "DONE"
+            self._live.add(handle)
+            return handle
+
+    def check(self, handle: TransferHandle) -> EngineStatus:
+        """Non-blocking; a terminal answer releases the native handle (even when NIXL raises)."""
+        handle.ensure_pending()
+        if handle.mode is not WaitMode.POLL or not isinstance(handle.token, _Xfer):
+            raise EngineError("check() on a handle this NIXL engine did not create")
+        with self._lock:
+            self._check_open()
+            if handle.token.done_at_post:
+                return self._terminal(handle, EngineStatus.DONE)
+            try:
+                state = self._agent.check_xfer_state(handle.token.native)
+            except Exception as exc:
+                reason = f"NIXL transfer to {handle.peer} failed: {_nixl_error(exc)}"
+                self._terminal(handle, EngineStatus.FAILED, reason)
+                raise EngineError(reason) from exc
+            if state == "PROC":
+                return EngineStatus.PENDING
+            if state == "DONE":
+                return self._terminal(handle, EngineStatus.DONE)
+            return self._terminal(handle, EngineStatus.FAILED, f"NIXL transfer to {handle.peer} reported {state}")
+
+    def wait(self, handle: TransferHandle, timeout: float) -> EngineStatus:
+        """Poll ``check`` with short sleeps (blocking callers only). Returns PENDING after ``timeout``
+        seconds if still in flight (the handle stays live); ``timeout <= 0`` checks once."""
+        deadline = time.monotonic() + timeout
+        pause = 0.00005
+        while (status := self.check(handle)) is EngineStatus.PENDING:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(pause)
+            pause = min(pause * 2, _WAIT_SLEEP_MAX)
+        return status
+
+    def _terminal(self, handle: TransferHandle, status: EngineStatus, error: str | None = None) -> EngineStatus:
+        """Under the lock: release the native handle, then consume the TransferHandle."""
+        self._live.discard(handle)
+        self._release(handle.token)
+        return handle.finish(status, error)
+
+    def _release(self, xfer: _Xfer) -> None:
+        if xfer.released:
+            return
+        if not _quietly("release_xfer_handle (kept for close)", self._agent.release_xfer_handle, xfer.native):
+            self._unreleased.append(xfer.native)
+        xfer.released = True
+
+    # -- teardown ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release leftover handles, deregister memory, drop peers and the agent."""
+        with self._lock:
+            if self._closed:
+                return
+            agent = self._agent
+            for handle in list(self._live):
+                self._terminal(handle, EngineStatus.FAILED, "NIXL engine closed before the transfer completed")
+            for descs, _count in self._regions.values():
+                _quietly("deregister_memory at close", agent.deregister_memory, descs)
+            self._regions.clear()
+            self._local = _RegionTable([])
+            for known in self._peers.values():
+                self._remove_remote(agent, known.name)
+            self._peers.clear()
+            self._unreleased = [
+                h for h in self._unreleased if not _quietly("release_xfer_handle at close", agent.release_xfer_handle, h)
+            ]
+            if self._unreleased:
+                log.error("%d NIXL xfer handles could not be released; they leak with the agent", len(self._unreleased))
+            self._closed = True
+            self._agent = None
+
+    def raw(self) -> Any:
+        """The native ``nixl_agent`` (benchmarks and diagnostics only)."""
+        return self._check_open()
+
+
+def _descs(
+    table: _RegionTable, addrs: npt.NDArray[np.uint64], length: npt.NDArray[np.uint64], what: str
+) -> tuple[str, npt.NDArray[np.uint64]]:
+    """(memory type, Nx3 [addr, len, dev] uint64) for one side of a transfer."""
+    idx = table.locate(addrs, what)
+    kinds = np.unique(table.kinds[idx])
+    if kinds.size != 1:
+        raise EngineError(f"{what}: one NIXL transfer cannot mix DRAM and VRAM; split the batch")
+    out = np.empty((addrs.shape[0], 3), dtype=np.uint64)
+    out[:, 0] = addrs
+    out[:, 1] = length
+    out[:, 2] = table.devs[idx]
+    return _MEM_TYPES[int(kinds[0])], out

@@ -1,0 +1,466 @@
+"""The engine contract, run against every engine that can run here.
+
+* ``mooncake``: the real Mooncake TCP engine; the target buffer lives in another OS process.
+* ``nixl``: the real NIXL agent (UCX); the target lives in another OS process. Skipped if nixl is missing.
+* ``mori``: the MORI adapter over ``tests/fake_mori.py`` (MORI-IO needs ROCm); both engines in this process.
+
+Completion is driven the way the handle's ``mode`` says: ``check`` polled for POLL, one ``wait`` for BLOCK.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aiotransfer.config import TransferConfig
+from aiotransfer.engines.base import EngineStatus, MemoryRegion, TransferEngine, TransferHandle, WaitMode
+from aiotransfer.errors import ClosedError, EngineError, EngineUnavailable
+from aiotransfer.plan import Blocks
+from tests import fake_mori
+
+PEER_SCRIPT = Path(__file__).with_name("_engine_peer.py")
+ROOT = PEER_SCRIPT.parent.parent
+NBYTES = 1 << 20
+
+
+def u64(*values: int) -> np.ndarray:
+    return np.array(values, dtype=np.uint64)
+
+
+class ProcessPeer:
+    """The target engine and its buffer in another OS process (tests/_engine_peer.py)."""
+
+    def __init__(self, engine: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER_SCRIPT), engine, str(NBYTES)],
+            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("PEER "):
+                hello = json.loads(line[5:])
+                break
+        else:
+            raise RuntimeError(f"engine peer for {engine} exited with {self.proc.wait()}")
+        self.session_id: str = hello["session_id"]
+        self.info = base64.b64decode(hello["info"])
+        self.addr: int = hello["addr"]
+        self.nbytes: int = hello["nbytes"]
+        self.probe: int = hello["probe"]
+
+    def _ask(self, line: str) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def crc(self, off: int, n: int) -> int:
+        reply = self._ask(f"crc {off} {n}")
+        assert reply.startswith("CRC "), reply
+        return int(reply[4:])
+
+    def all_equal(self, off: int, n: int, value: int) -> bool:
+        return self._ask(f"check {off} {n} {value}") == "OK"
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # a killed peer: broken pipe
+            if self.proc.poll() is None:
+                self._ask("exit")
+        self.proc.wait(timeout=10)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+
+
+class LocalPeer:
+    """The target engine in this process (MORI over the fake)."""
+
+    def __init__(self, engine: TransferEngine) -> None:
+        self.engine = engine
+        self.buf = np.zeros(NBYTES, dtype=np.uint8)
+        self.region = MemoryRegion(int(self.buf.ctypes.data), NBYTES)
+        engine.register([self.region])
+        self.session_id = engine.session_id
+        self.info = engine.local_info()
+        self.addr = self.region.ptr
+        self.nbytes = NBYTES
+        self.probe = self.addr
+
+    def crc(self, off: int, n: int) -> int:
+        return zlib.crc32(self.buf[off:off + n].tobytes())
+
+    def all_equal(self, off: int, n: int, value: int) -> bool:
+        return bool((self.buf[off:off + n] == value).all())
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+@dataclass
+class Rig:
+    kind: str
+    engine: Any
+    peer: ProcessPeer | LocalPeer
+    src: np.ndarray
+    fake: fake_mori.FakeMori | None = None
+
+    @property
+    def base(self) -> int:
+        return int(self.src.ctypes.data)
+
+    def native_owner(self) -> tuple[Any, str]:
+        """(object, attribute) holding the native engine, to prove a consumed handle never reaches it."""
+        if self.kind == "mooncake":
+            return self.engine._shared, "native"
+        if self.kind == "nixl":
+            return self.engine, "_agent"
+        return self.engine, "_engine"
+
+
+def _make_engine(kind: str) -> Any:
+    try:
+        if kind == "mooncake":
+            from aiotransfer.engines.mooncake import MooncakeEngine
+
+            return MooncakeEngine(TransferConfig(engine="mooncake_tcp"))
+        if kind == "nixl":
+            from aiotransfer.engines.nixl import NixlEngine
+
+            return NixlEngine(TransferConfig(engine="nixl"))
+        from aiotransfer.engines.mori import MoriEngine
+
+        return MoriEngine(TransferConfig(engine="mori"))
+    except EngineUnavailable as exc:
+        pytest.skip(f"{kind} engine unavailable here: {exc}")
+
+
+@pytest.fixture(scope="module", params=["mooncake", "nixl", "mori"])
+def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
+    kind: str = request.param
+    with pytest.MonkeyPatch.context() as mp:
+        fake = fake_mori.install(mp.setitem) if kind == "mori" else None
+        engine = _make_engine(kind)
+        peer: ProcessPeer | LocalPeer = LocalPeer(_make_engine(kind)) if kind == "mori" else ProcessPeer(
+            "mooncake_tcp" if kind == "mooncake" else kind
+        )
+        src = np.random.default_rng(7).integers(0, 256, NBYTES, dtype=np.uint8)
+        engine.register([MemoryRegion(int(src.ctypes.data), NBYTES)])
+        engine.connect(peer.session_id, peer.info, peer.probe)
+        try:
+            yield Rig(kind, engine, peer, src, fake)
+        finally:
+            peer.close()
+            engine.close()
+
+
+def drive(engine: Any, handle: TransferHandle, timeout: float = 15.0) -> EngineStatus:
+    """Complete a handle as its mode requires."""
+    if handle.mode is WaitMode.BLOCK:
+        return engine.wait(handle, timeout)
+    deadline = time.monotonic() + timeout
+    while (status := engine.check(handle)) is EngineStatus.PENDING:
+        assert time.monotonic() < deadline, f"{handle!r} did not finish in {timeout}s"
+        time.sleep(0.0002)
+    return status
+
+
+def write(rig: Rig, src_offs: list[int], dst_offs: list[int], lens: list[int]) -> TransferHandle:
+    blocks = Blocks(
+        u64(*(rig.base + o for o in src_offs)), u64(*(rig.peer.addr + o for o in dst_offs)), u64(*lens)
+    )
+    handle: TransferHandle = rig.engine.submit_write(rig.peer.session_id, blocks)
+    return handle
+
+
+def src_crc(rig: Rig, off: int, n: int) -> int:
+    return zlib.crc32(rig.src[off:off + n].tobytes())
+
+
+# -- identity --------------------------------------------------------------------------------------
+
+
+def test_satisfies_protocol_and_describes_itself(rig: Rig) -> None:
+    assert isinstance(rig.engine, TransferEngine)
+    info = rig.engine.describe()
+    assert {"engine", "session_id", "transport"} <= set(info)
+    assert info["engine"] == rig.kind
+    assert info["session_id"] == rig.engine.session_id != ""
+    assert info["transport"] == rig.engine.transport
+
+
+def test_transport_is_truthful(rig: Rig) -> None:
+    if rig.kind == "mooncake":
+        assert rig.engine.transport == "tcp"  # mooncake_tcp forces MC_FORCE_TCP; no RDMA device here
+    elif rig.kind == "nixl":
+        tls = os.environ.get("UCX_TLS")
+        assert rig.engine.transport == (f"ucx({tls})" if tls else "ucx")
+    else:
+        assert rig.engine.transport == "rdma"  # the only data backend the adapter creates
+
+
+# -- memory ----------------------------------------------------------------------------------------
+
+
+def test_register_deregister_roundtrip(rig: Rig) -> None:
+    extra = np.arange(8192, dtype=np.uint8)
+    region = MemoryRegion(int(extra.ctypes.data), extra.nbytes)
+    rig.engine.register([region])
+    rig.engine.deregister([region])
+    rig.engine.deregister([region])  # unknown now: a no-op
+    rig.engine.register([region])
+    rig.engine.deregister([region])
+
+
+# -- transfers -------------------------------------------------------------------------------------
+
+
+def test_multi_entry_write_is_byte_exact(rig: Rig) -> None:
+    src_offs, dst_offs, lens = [0, 70_000, 300_000], [500_000, 4096, 200_000], [4096, 65_536, 12_345]
+    handle = write(rig, src_offs, dst_offs, lens)
+    assert handle.entries == 3 and handle.nbytes == sum(lens)
+    assert drive(rig.engine, handle) is EngineStatus.DONE, handle.error
+    for s, d, n in zip(src_offs, dst_offs, lens, strict=True):
+        assert rig.peer.crc(d, n) == src_crc(rig, s, n)
+
+
+def test_single_entry_write_is_byte_exact(rig: Rig) -> None:
+    handle = write(rig, [123_456], [700_000], [250_000])
+    assert drive(rig.engine, handle) is EngineStatus.DONE, handle.error
+    assert rig.peer.crc(700_000, 250_000) == src_crc(rig, 123_456, 250_000)
+
+
+@pytest.mark.parametrize("entries", [1, 3])  # Mooncake: a POLL handle, then a BLOCK one
+def test_handle_is_one_shot_and_never_touches_native(rig: Rig, monkeypatch: pytest.MonkeyPatch, entries: int) -> None:
+    handle = write(rig, [0, 2000, 4000][:entries], [960_000, 962_000, 964_000][:entries], [1000] * entries)
+    assert drive(rig.engine, handle) is EngineStatus.DONE
+    assert handle.consumed
+
+    class Exploding:
+        def __getattr__(self, name: str) -> Any:
+            raise AssertionError(f"a consumed handle reached the native engine ({name})")
+
+    owner, attr = rig.native_owner()
+    monkeypatch.setattr(owner, attr, Exploding())
+    with pytest.raises(EngineError, match="consumed"):
+        rig.engine.check(handle)
+    with pytest.raises(EngineError, match="consumed"):
+        rig.engine.wait(handle, 0.1)
+
+
+def test_connect_is_idempotent(rig: Rig) -> None:
+    rig.engine.connect(rig.peer.session_id, rig.peer.info, rig.peer.probe)
+    handle = write(rig, [5000], [900_000], [777])
+    assert drive(rig.engine, handle) is EngineStatus.DONE
+    assert rig.peer.crc(900_000, 777) == src_crc(rig, 5000, 777)
+
+
+def _outcome(rig: Rig, dst_off: int, n: int) -> str:
+    """Submit + drive a write that must fail; returns how it failed."""
+    try:
+        handle = write(rig, [0], [dst_off], [n])
+        status = drive(rig.engine, handle)
+    except EngineError as exc:
+        return f"raised: {exc}"
+    assert status is EngineStatus.FAILED, "a write outside the peer's registered memory succeeded"
+    assert handle.consumed and handle.error
+    return f"failed: {handle.error}"
+
+
+def test_write_past_registered_memory_fails_cleanly(rig: Rig) -> None:
+    # Two rejections at most: each one costs Mooncake a TCP lane (4 rejections poison the next write).
+    crossing = _outcome(rig, rig.peer.nbytes - 100, 4096)
+    outside = _outcome(rig, rig.peer.nbytes + (1 << 20), 64)
+    assert crossing and outside
+    assert rig.peer.all_equal(rig.peer.nbytes - 100, 100, 0), "a rejected write touched the region's tail"
+
+
+def test_write_to_killed_peer_fails_cleanly(rig: Rig) -> None:
+    if rig.kind == "mori":
+        pytest.skip("in-process fake; peer death is covered by test_mori_peer_death_in_flight_fails_the_handle")
+    victim = ProcessPeer("mooncake_tcp" if rig.kind == "mooncake" else rig.kind)
+    try:
+        rig.engine.connect(victim.session_id, victim.info, victim.probe)
+        blocks = Blocks(u64(rig.base), u64(victim.addr), u64(4096))
+        assert drive(rig.engine, rig.engine.submit_write(victim.session_id, blocks)) is EngineStatus.DONE
+        victim.proc.kill()
+        victim.proc.wait(timeout=10)
+        started = time.monotonic()
+        try:
+            status = drive(rig.engine, rig.engine.submit_write(victim.session_id, blocks), timeout=10.0)
+        except EngineError:
+            status = EngineStatus.FAILED
+        assert status is EngineStatus.FAILED
+        assert time.monotonic() - started < 5.0
+    finally:
+        victim.close()
+        rig.engine.forget_peer(victim.session_id)
+
+
+# -- NIXL specifics ----------------------------------------------------------------------------------
+
+
+def test_nixl_missing_package_names_the_install_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiotransfer.engines import nixl
+
+    for name in ("nixl_cu12", "nixl_cu12._api", "nixl_cu13", "nixl_cu13._api", "nixl", "nixl._api"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(EngineUnavailable, match=r"pip install --no-deps nixl-cu12"):
+        nixl.NixlEngine(TransferConfig(engine="nixl"))
+
+
+def test_nixl_env_defaults() -> None:
+    from aiotransfer.engines.nixl import nixl_env_defaults
+
+    assert nixl_env_defaults({}, log_level="WARNING", has_rdma_device=False) == {
+        "NIXL_LOG_LEVEL": "WARN",
+        "UCX_MODULES": "^ib*",
+    }
+    assert nixl_env_defaults({"UCX_MODULES": "*"}, log_level="error", has_rdma_device=False) == {
+        "NIXL_LOG_LEVEL": "ERROR"
+    }
+    assert "UCX_MODULES" not in nixl_env_defaults({}, log_level="INFO", has_rdma_device=True)
+
+
+def test_nixl_rejects_bad_peer_info(rig: Rig) -> None:
+    if rig.kind not in ("nixl", "mori"):
+        pytest.skip("Mooncake peers carry no engine info")
+    with pytest.raises(EngineError, match=r"no .* from peer"):
+        rig.engine.connect("someone", b"", 0)
+    with pytest.raises(EngineError, match="malformed"):
+        rig.engine.connect("someone", b"\x01garbage", 0)
+    with pytest.raises(EngineError, match="describes"):
+        rig.engine.connect("not-" + rig.peer.session_id, rig.peer.info, 0)
+
+
+# -- MORI over the fake: what only a fake can do on demand ------------------------------------------
+
+
+@pytest.fixture
+def mori_pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, LocalPeer, np.ndarray, fake_mori.FakeMori]]:
+    fake = fake_mori.install(monkeypatch.setitem)
+    from aiotransfer.engines.mori import MoriEngine
+
+    engine = MoriEngine(TransferConfig(engine="mori"))
+    peer = LocalPeer(MoriEngine(TransferConfig(engine="mori")))
+    src = np.arange(NBYTES, dtype=np.uint8)
+    engine.register([MemoryRegion(int(src.ctypes.data), NBYTES)])
+    engine.connect(peer.session_id, peer.info, 0)
+    yield engine, peer, src, fake
+    peer.close()
+    engine.close()
+
+
+def _mori_write(engine: Any, peer: LocalPeer, src: np.ndarray, dst_off: int, n: int) -> TransferHandle:
+    blocks = Blocks(u64(int(src.ctypes.data)), u64(peer.addr + dst_off), u64(n))
+    handle: TransferHandle = engine.submit_write(peer.session_id, blocks)
+    return handle
+
+
+def test_mori_polls_statuses_and_never_blocks(mori_pair: Any) -> None:
+    engine, peer, src, fake = mori_pair
+    fake.polls_to_complete = 5
+    handle = _mori_write(engine, peer, src, 0, 4096)
+    assert [engine.check(handle) for _ in range(4)] == [EngineStatus.PENDING] * 4
+    assert peer.all_equal(0, 4096, 0), "bytes landed before the status completed"
+    assert engine.check(handle) is EngineStatus.DONE
+    assert bytes(peer.buf[:4096]) == bytes(src[:4096])
+    assert fake.blocking_waits == 0
+
+
+def test_mori_groups_entries_by_region_pair(mori_pair: Any) -> None:
+    engine, peer, src, fake = mori_pair
+    extra_src = np.full(8192, 9, dtype=np.uint8)
+    extra_dst = np.zeros(8192, dtype=np.uint8)
+    engine.register([MemoryRegion(int(extra_src.ctypes.data), 8192)])
+    peer.engine.register([MemoryRegion(int(extra_dst.ctypes.data), 8192)])
+    engine.connect(peer.session_id, peer.engine.local_info(), 0)  # new info: the peer's second region
+    base, xs, xd = int(src.ctypes.data), int(extra_src.ctypes.data), int(extra_dst.ctypes.data)
+    blocks = Blocks(u64(base, xs, base + 10, xs + 100), u64(peer.addr, xd, xd + 4000, peer.addr + 50_000),
+                    u64(10, 20, 30, 40))
+    posted = fake.sessions_posted
+    handle = engine.submit_write(peer.session_id, blocks)
+    assert fake.sessions_posted - posted == 4  # (src, dst), (extra, extra2), (src, extra2), (extra, dst)
+    assert drive(engine, handle) is EngineStatus.DONE
+    assert bytes(peer.buf[:10]) == bytes(src[:10])
+    assert (extra_dst[:20] == 9).all() and bytes(extra_dst[4000:4030]) == bytes(src[10:40])
+    assert (peer.buf[50_000:50_040] == 9).all()
+
+
+def test_mori_scripted_failure_is_reported(mori_pair: Any) -> None:
+    engine, peer, src, fake = mori_pair
+    fake.fail_next(fake_mori.StatusCode.ERR_RDMA_OP, "link down")
+    handle = _mori_write(engine, peer, src, 0, 4096)
+    assert drive(engine, handle) is EngineStatus.FAILED
+    assert handle.error is not None and "ERR_RDMA_OP" in handle.error and "link down" in handle.error
+    assert peer.all_equal(0, 4096, 0)
+    with pytest.raises(EngineError, match="consumed"):
+        engine.check(handle)
+
+
+def test_mori_out_of_range_is_invalid_args(mori_pair: Any) -> None:
+    engine, peer, src, _fake = mori_pair
+    handle = _mori_write(engine, peer, src, NBYTES - 10, 100)
+    assert drive(engine, handle) is EngineStatus.FAILED
+    assert handle.error is not None and "ERR_INVALID_ARGS" in handle.error
+
+
+@pytest.mark.parametrize("mode", ["raise", "status"])
+def test_mori_unregistered_remote_memory(mori_pair: Any, mode: str) -> None:
+    engine, peer, src, fake = mori_pair
+    fake.missing_remote_memory = mode
+    peer.engine.deregister([peer.region])  # after connect: our copy of its MemoryDesc is stale
+    if mode == "raise":
+        with pytest.raises(EngineError, match="remote MR size mismatch"):
+            _mori_write(engine, peer, src, 0, 64)
+    else:
+        handle = _mori_write(engine, peer, src, 0, 64)
+        assert drive(engine, handle) is EngineStatus.FAILED
+        assert handle.error is not None and "ERR_NOT_FOUND" in handle.error
+
+
+def test_mori_peer_death_in_flight_fails_the_handle(mori_pair: Any) -> None:
+    engine, peer, src, fake = mori_pair
+    handle = _mori_write(engine, peer, src, 0, 64)
+    fake.kill(peer.session_id)
+    assert drive(engine, handle) is EngineStatus.FAILED
+    assert handle.error is not None and "ERR_RDMA_OP" in handle.error
+
+
+def test_mori_close_with_transfer_in_flight_keeps_statuses(mori_pair: Any) -> None:
+    from aiotransfer.engines import mori
+
+    engine, peer, src, fake = mori_pair
+    fake.polls_to_complete = 1000
+    handle = _mori_write(engine, peer, src, 0, 64)
+    parked = len(mori._PARKED)
+    engine.close()
+    assert handle.status is EngineStatus.FAILED and "closed" in (handle.error or "")
+    assert len(mori._PARKED) == parked + 1
+    with pytest.raises(ClosedError):
+        engine.submit_write(peer.session_id, Blocks(u64(int(src.ctypes.data)), u64(peer.addr), u64(1)))
+
+
+def test_mori_setup_failure_and_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiotransfer.engines.mori import MoriEngine
+
+    fake = fake_mori.install(monkeypatch.setitem)
+    fake.rdma_available = False
+    with pytest.raises(EngineError, match="no active RDMA device"):
+        MoriEngine(TransferConfig(engine="mori"))
+    monkeypatch.setitem(sys.modules, "mori.io", None)
+    with pytest.raises(EngineUnavailable, match="pip install amd-mori"):
+        MoriEngine(TransferConfig(engine="mori"))

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ._device import device_initializer
 from ._liveness import Liveness
 from ._offload import Offloader
 from ._poller import Poller
@@ -149,7 +150,10 @@ class KVManager:
         self.generation = secrets.randbits(62)
         self._engine: TransferEngine | None = engine
         self._own_engine = engine is None
-        self._offload = Offloader(self.config.engine, self.config.executor_threads)
+        # Device first (engines allocate per-device resources at init), and on every executor thread.
+        self._offload = Offloader(
+            self.config.engine, self.config.executor_threads, initializer=device_initializer(self.config)
+        )
         self._poller: Poller | None = None
         self._control: ControlPlane | None = None
         self._regions = [MemoryRegion(b.ptr, b.nbytes, b.device) for b in args.all_buffers()]
@@ -227,6 +231,7 @@ class KVManager:
         cfg = self.config
         try:
             if self._engine is None:
+                # create_engine runs on an executor thread whose initializer already bound the device
                 self._engine = await self._offload.run(
                     create_engine, cfg, timeout=max(cfg.handshake_timeout, 30.0), what="engine initialisation"
                 )

@@ -1,9 +1,11 @@
 """ZMQ endpoint of one manager: one PULL socket in, a capped LRU cache of PUSH sockets out.
 
-Each message is one multipart ZMQ message: ``[payload]``, or ``[payload, mac]`` when a shared secret is
-configured (HMAC-SHA256 over the payload). Inbound messages that are too large, badly signed, or fail
-decoding/validation are counted by cause, logged (rate-limited) and dropped; the receive loop never dies
-on bad input. Per-peer ordering is ZMQ's per-pipe FIFO: aux bytes sent before a status arrive before it.
+Each message is one multipart ZMQ message: ``[payload]``, or ``[payload, header, mac]`` when a shared
+secret is configured: ``header`` = (sender id, counter, send time) and ``mac`` = HMAC-SHA256 over header and
+payload. A receiver rejects bad signatures, messages older than the replay window, and any counter not
+above the last one seen from that sender (replays). Inbound messages that are too large, unauthenticated,
+or fail decoding/validation are counted by cause, logged (rate-limited) and dropped; the receive loop
+never dies on bad input. Per-peer ordering is ZMQ's per-pipe FIFO: aux bytes sent before a status arrive before it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import secrets
+import struct
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
@@ -28,6 +32,11 @@ __all__ = ["ControlPlane", "normalize_endpoint"]
 log = logging.getLogger("aiotransfer.control")
 
 Handler = Callable[[Message], Awaitable[None] | None]
+
+_HEADER = struct.Struct("<QQd")
+REPLAY_WINDOW = 30.0
+"""Seconds a signed message stays acceptable (clock skew between hosts must stay below this)."""
+_MAX_SENDERS = 4096
 
 
 def normalize_endpoint(peer: str) -> str:
@@ -54,8 +63,7 @@ class ControlPlane:
         max_message_bytes: int,
         hmac_key: bytes | None = None,
     ) -> None:
-        self._ctx = zmq.asyncio.Context()
-        self._ctx.setsockopt(zmq.LINGER, 0)
+        self._ctx: zmq.asyncio.Context | None = None
         self._hostname = hostname
         self._port = port
         self._handler = handler
@@ -72,8 +80,13 @@ class ControlPlane:
         self.evicted = 0
         self._last_warn = 0.0
         self.endpoint = ""
+        self._sender_id = secrets.randbits(64)
+        self._counter = 0
+        self._last_counter: OrderedDict[int, int] = OrderedDict()
 
     async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._ctx.setsockopt(zmq.LINGER, 0)
         pull = self._ctx.socket(zmq.PULL)
         pull.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + 1024)
         addr = f"tcp://{self._hostname}"
@@ -96,6 +109,8 @@ class ControlPlane:
             _, old = self._out.popitem(last=False)
             old.close(linger=0)
             self.evicted += 1
+        if self._ctx is None:
+            raise ClosedError("control plane is not started")
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, 10000)
         sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
@@ -108,7 +123,9 @@ class ControlPlane:
         payload = encode(msg)
         if self._key is None:
             return [payload]
-        return [payload, hmac.new(self._key, payload, hashlib.sha256).digest()]
+        self._counter += 1
+        header = _HEADER.pack(self._sender_id, self._counter, time.time())
+        return [payload, header, hmac.new(self._key, header + payload, hashlib.sha256).digest()]
 
     async def send(self, endpoint: str, msg: Message, *, timeout: float) -> None:
         """Queue ``msg`` to ``endpoint``; waits (bounded) only if the peer's queue is full."""
@@ -139,19 +156,29 @@ class ControlPlane:
     # -- inbound --------------------------------------------------------------------------------
     def parse(self, frames: list[bytes]) -> Message:
         """Authenticate and decode one multipart message (raises :class:`ProtocolError`)."""
-        if not frames or len(frames) > 2:
+        if not frames or len(frames) > 3:
             raise ProtocolError("bad frame count")
         payload = frames[0]
         if len(payload) > self._max_bytes:
             raise ProtocolError("message too large")
         if self._key is not None:
-            if len(frames) != 2:
-                raise ProtocolError("unsigned message")
-            expected = hmac.new(self._key, payload, hashlib.sha256).digest()
-            if not hmac.compare_digest(expected, frames[1]):
+            if len(frames) != 3 or len(frames[1]) != _HEADER.size:
+                raise ProtocolError("unauthenticated message")
+            header = frames[1]
+            expected = hmac.new(self._key, header + payload, hashlib.sha256).digest()
+            if not hmac.compare_digest(expected, frames[2]):
                 raise ProtocolError("bad signature")
+            sender, counter, sent = _HEADER.unpack(header)
+            if abs(time.time() - sent) > REPLAY_WINDOW:
+                raise ProtocolError("stale signed message (outside the replay window)")
+            if counter <= self._last_counter.get(sender, 0):
+                raise ProtocolError("replayed message")
+            self._last_counter[sender] = counter
+            self._last_counter.move_to_end(sender)
+            while len(self._last_counter) > _MAX_SENDERS:
+                self._last_counter.popitem(last=False)
         elif len(frames) != 1:
-            raise ProtocolError("unexpected signature frame")
+            raise ProtocolError("unexpected authentication frames (this endpoint has no shared secret)")
         return decode(payload)
 
     async def _recv_loop(self) -> None:
@@ -201,4 +228,6 @@ class ControlPlane:
         if self._pull is not None:
             self._pull.close(linger=0)
             self._pull = None
-        self._ctx.term()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None

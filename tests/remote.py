@@ -32,9 +32,10 @@ class RemotePeer:
 
     @classmethod
     async def start(
-        cls, engine: str = "mooncake_tcp", *, timeout: float = 30.0, env: dict[str, str] | None = None, **opts: Any
+        cls, engine: str = "mooncake_tcp", *, timeout: float = 30.0, env: dict[str, str] | None = None,
+        prefix: list[str] | None = None, **opts: Any
     ) -> RemotePeer:
-        argv = [sys.executable, PEER, "--engine", engine]
+        argv = [*(prefix or []), sys.executable, PEER, "--engine", engine]
         for k, v in opts.items():
             values = v if isinstance(v, list) else [v]
             for item in values:

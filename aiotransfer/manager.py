@@ -62,6 +62,7 @@ from .errors import (
 )
 from .integrity import RoomChecksum, fold, region_crcs
 from .layout import KVPairing, RankGeometry, pair_buffers
+from .metrics import Metrics
 from .plan import Blocks, as_index_array, check_range, check_unique, plan_blocks, plan_head_slices
 from .receiver import KVReceiver
 from .sender import KVSender
@@ -211,6 +212,7 @@ class KVManager:
         self._pending: OrderedDict[int, _Pending] = OrderedDict()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.counters: Counter[str] = Counter()
+        self.metrics = Metrics()
         self._liveness = Liveness(
             interval=self.config.heartbeat_interval,
             timeout=self.config.peer_timeout,
@@ -354,7 +356,9 @@ class KVManager:
             "control_sent": c.sent if c else 0,
             "control_dropped": dict(c.dropped) if c else {},
             "open_sockets": c.open_sockets if c else 0,
+            "dead_peers": len(self._liveness.dead),
             **dict(self.counters),
+            **self.metrics.snapshot(),
         }
 
     def __repr__(self) -> str:
@@ -415,6 +419,11 @@ class KVManager:
         tx = self._senders.get(room)
         if tx is not None:
             tx._set_status(new, reason)
+        if new is KVPoll.Failed:
+            self.metrics.failure(reason or "failed")
+            log.info("room %d failed (prefill side): %s", room, reason, extra={"room": room, "role": "prefill"})
+        if new.is_terminal and tx is not None:
+            self.metrics.observe("room_tx", time.monotonic() - tx._created)
         if new.is_terminal:
             self._tx_status.clear(room)
             self._senders.pop(room, None)
@@ -424,6 +433,11 @@ class KVManager:
         rx = self._receivers.get(room)
         if rx is not None:
             rx._set_status(new, reason)
+        if new is KVPoll.Failed:
+            self.metrics.failure(reason or "failed")
+            log.info("room %d failed (decode side): %s", room, reason, extra={"room": room, "role": "decode"})
+        if new.is_terminal and rx is not None:
+            self.metrics.observe("room_rx", time.monotonic() - rx._created)
         if new.is_terminal:
             self._rx_status.clear(room)
             self._receivers.pop(room, None)
@@ -952,7 +966,9 @@ class KVManager:
                 self._aux_bases, peer.aux_bases, self._aux_item_lens, np.array([src_slot]), np.array([dst_slot])
             )
             try:
+                t0 = time.monotonic()
                 await self._poller.write(peer.session_id, blocks, timeout=timeout)
+                self.metrics.observe("aux_engine", time.monotonic() - t0)
                 self.counters["aux_engine"] += 1
                 log.debug("room %d: aux slot %d -> %s slot %d via engine", room, src_slot, peer.endpoint, dst_slot)
                 return "engine"
@@ -963,7 +979,9 @@ class KVManager:
                 if not self._aux_fallback_logged:
                     self._aux_fallback_logged = True
                     log.warning("aux via the engine failed (%s); falling back to TCP (logged once)", exc)
+        t0 = time.monotonic()
         await self._send_aux_tcp(peer, room, src_slot, dst_slot, timeout)
+        self.metrics.observe("aux_tcp", time.monotonic() - t0)
         self.counters["aux_tcp"] += 1
         log.debug("room %d: aux slot %d -> %s slot %d via tcp", room, src_slot, peer.endpoint, dst_slot)
         return "tcp"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,7 @@ class KVReceiver:
         self._latch = PollLatch()
         self._status = KVPoll.Bootstrapping
         self._reason: str | None = None
+        self._created = time.monotonic()
         self._changed = asyncio.Event()
         self._sent = False
         self._targets: dict[str, int] = {}

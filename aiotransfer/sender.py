@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -59,6 +60,7 @@ class KVSender:
         self._failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._status = KVPoll.Bootstrapping
         self._reason: str | None = None
+        self._created = time.monotonic()
         self._kv_done = False
         self._aux_sent = False
         self._state_sent = False
@@ -239,8 +241,10 @@ class KVSender:
         t = m.config.transfer_timeout if timeout is None else timeout
         m._tx_update(self.room, KVPoll.Transferring)
         self._chunks_in_flight += 1
+        t0 = time.monotonic()
         try:
             await self._guard(self._run_chunk(src, start, t))
+            m.metrics.observe("send_kv", time.monotonic() - t0)
             if last:
                 await self._guard(self._finish(t))
         except TransferFailed as exc:

@@ -75,6 +75,8 @@ __all__ = ["KVManager"]
 log = logging.getLogger("aiotransfer.manager")
 
 _PLAN_OFFLOAD_ENTRIES = 1 << 16
+_STAGE_PIECE_BYTES = 8 << 20
+"""Target size of one staged piece: small enough to overlap gather, transfer and scatter."""
 """Plans larger than this many (page x buffer) pairs are computed on the offload thread."""
 
 
@@ -773,7 +775,7 @@ class KVManager:
         num_pages = [self.args.kv[i].num_items for i in pairing.src]
         nbuf = len(views)
         per_page = s_sl.bytes_per_page * nbuf
-        cap = max(per_page, min(arena.nbytes, remote.nbytes) // 4)
+        cap = max(per_page, min(arena.nbytes // 4, remote.nbytes // 4, _STAGE_PIECE_BYTES))
         step = max(1, cap // per_page)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout

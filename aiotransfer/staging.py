@@ -49,6 +49,8 @@ class StagingArena:
         self.offset0 = (-base) % _ALIGN
         self.ptr = base + self.offset0
         self.view = self.buffer[self.offset0 : self.offset0 + nbytes]
+        self.buffer[::4096] = 1  # fault every page in now, not during the first transfer
+        self.buffer[::4096] = 0
         self._free: list[tuple[int, int]] = [(0, nbytes)]
         self._changed = asyncio.Event()
         self.in_use = 0

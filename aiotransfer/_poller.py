@@ -32,7 +32,7 @@ __all__ = ["Poller"]
 
 log = logging.getLogger("aiotransfer.poller")
 
-_SPIN_WINDOW = 0.0003
+_SPIN_WINDOW = 0.001
 """Seconds after the last progress during which the loop only yields (sleep(0)) between polls."""
 
 

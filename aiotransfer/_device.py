@@ -1,22 +1,46 @@
 """Accelerator device binding: set this rank's device before the engine exists, and on every executor
-thread (device selection is per thread in CUDA and CANN)."""
+thread (device selection is per thread in CUDA and CANN).
+
+Order, for a manager with ``config.device_id`` set: the offload executor is created with
+:func:`device_initializer` as its thread initializer, so each executor thread runs
+``set_device(device_id)`` when it starts, before any work item; the engine factory is the first work
+item, so it runs on a thread whose device is already set. Every later executor thread binds the same
+device. Without ``device_id`` nothing is bound.
+
+A "backend" is any object with ``set_device(i)`` and ``is_available()``: ``torch.cuda`` and
+``torch.npu`` (torch_npu) when present. :func:`use_backends` replaces them, for stacks with their own
+device module and for tests.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .config import TransferConfig
 
-__all__ = ["bind_device", "device_initializer"]
+__all__ = ["bind_device", "device_initializer", "use_backends"]
 
 log = logging.getLogger("aiotransfer.device")
 
+_override: list[Any] | None = None
+_override_lock = threading.Lock()
+
+
+def _available(mod: Any) -> bool:
+    probe = getattr(mod, "is_available", None)
+    return bool(probe()) if callable(probe) else False
+
 
 def _backends() -> list[Any]:
-    """torch.cuda and torch.npu when present and usable (torch is never required)."""
+    """The backends to bind: the :func:`use_backends` override if any, else torch.cuda and torch.npu when
+    present and usable (torch is never required)."""
+    if _override is not None:
+        return list(_override)
     out: list[Any] = []
     try:
         torch = importlib.import_module("torch")
@@ -24,28 +48,53 @@ def _backends() -> list[Any]:
         return out
     for name in ("cuda", "npu"):
         mod = getattr(torch, name, None)
-        if mod is not None and getattr(mod, "is_available", lambda: False)():
+        if mod is not None and _available(mod):
             out.append(mod)
     return out
 
 
-def bind_device(device_id: int | None, backends: list[Any] | None = None) -> str | None:
-    """Set ``device_id`` as the current device on this thread; returns which backend did it."""
+@contextlib.contextmanager
+def use_backends(backends: Sequence[Any]) -> Iterator[None]:
+    """Bind devices through ``backends`` instead of torch while the block runs (process-wide: it reaches
+    managers and executor threads created inside the block, whose initializers read it at thread start)."""
+    global _override
+    with _override_lock:
+        previous, _override = _override, list(backends)
+    try:
+        yield
+    finally:
+        with _override_lock:
+            _override = previous
+
+
+def bind_device(device_id: int | None, backends: Sequence[Any] | None = None) -> str | None:
+    """Set ``device_id`` as the current device on this thread with the first available backend; returns
+    that backend's name (None when there is nothing to bind or no backend is available)."""
     if device_id is None:
         return None
     for mod in _backends() if backends is None else backends:
+        if not _available(mod):
+            continue
         mod.set_device(device_id)
-        return str(getattr(mod, "__name__", "device"))
+        name = str(getattr(mod, "__name__", type(mod).__name__))
+        log.debug("device %d bound on thread %s via %s", device_id, threading.current_thread().name, name)
+        return name
     return None
 
 
-def device_initializer(config: TransferConfig, backends: list[Any] | None = None) -> Callable[[], None] | None:
-    """An executor-thread initializer binding ``config.device_id`` (None when there is nothing to bind)."""
+def device_initializer(
+    config: TransferConfig, backends: Sequence[Any] | None = None
+) -> Callable[[], None] | None:
+    """An executor-thread initializer binding ``config.device_id`` (None when there is nothing to bind).
+
+    With ``backends=None`` the backends are looked up when each thread starts (torch, or the
+    :func:`use_backends` override in force then)."""
     if config.device_id is None:
         return None
     device_id = config.device_id
+    chosen = None if backends is None else list(backends)
 
     def init() -> None:
-        bind_device(device_id, backends)
+        bind_device(device_id, chosen)
 
     return init

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .errors import ClosedError, TransferTimeout
+from .errors import ClosedError, ConfigError, TransferTimeout
 
 __all__ = ["Offloader"]
 
@@ -33,6 +33,8 @@ class Offloader:
         initializer: Callable[[], None] | None = None,
     ) -> None:
         self.name = name
+        self.initializer = initializer
+        """Runs first on every executor thread (device binding); the poller's waiter threads run it too."""
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=threads, thread_name_prefix=f"aiotransfer-{name}", initializer=initializer
         )
@@ -61,6 +63,13 @@ class Offloader:
             self._running += 1
         try:
             fut = loop.run_in_executor(self._executor, functools.partial(self._track, fn, *args))
+        except concurrent.futures.BrokenExecutor as exc:
+            with self._lock:
+                self._running -= 1
+            raise ConfigError(
+                f"offload executor {self.name!r} is broken: its thread initializer (device binding) failed; "
+                "check TransferConfig.device_id"
+            ) from exc
         except RuntimeError:
             with self._lock:
                 self._running -= 1
@@ -73,7 +82,13 @@ class Offloader:
         if not done:
             fut.add_done_callback(_discard_result)
             raise TransferTimeout(f"{what} did not finish within {timeout:.3g}s (still running on its thread)")
-        return fut.result()
+        try:
+            return fut.result()
+        except concurrent.futures.BrokenExecutor as exc:
+            raise ConfigError(
+                f"offload executor {self.name!r} is broken: its thread initializer (device binding) failed; "
+                "check TransferConfig.device_id"
+            ) from exc
 
     def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
         """Fire-and-track for callers that manage the result themselves."""

@@ -77,13 +77,22 @@ class _Credits:
 class _Waiter(threading.Thread):
     """Blocking waits for one peer, in submission order, each handle exactly once."""
 
-    def __init__(self, engine: TransferEngine, peer: str, deliver: Callable[[TransferHandle], None]) -> None:
+    def __init__(
+        self,
+        engine: TransferEngine,
+        peer: str,
+        deliver: Callable[[TransferHandle], None],
+        initializer: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(name=f"aiotransfer-wait-{peer}", daemon=True)
         self.engine = engine
         self.deliver = deliver
+        self.initializer = initializer
         self.queue: queue.SimpleQueue[TransferHandle | None] = queue.SimpleQueue()
 
     def run(self) -> None:
+        if self.initializer is not None:
+            self.initializer()  # same device binding as the executor threads
         while True:
             handle = self.queue.get()
             if handle is None:
@@ -239,7 +248,9 @@ class Poller:
             self._blocking[handle] = fut
             waiter = self._waiters.get(handle.peer)
             if waiter is None or not waiter.is_alive():
-                waiter = self._waiters[handle.peer] = _Waiter(self.engine, handle.peer, self._deliver_threadsafe)
+                waiter = self._waiters[handle.peer] = _Waiter(
+                    self.engine, handle.peer, self._deliver_threadsafe, self.offloader.initializer
+                )
                 waiter.start()
             waiter.queue.put(handle)
         return fut

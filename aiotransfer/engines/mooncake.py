@@ -27,15 +27,24 @@ them one-shot so no id is ever queried twice (a second query is a use-after-free
 
 The native engine is shared by every manager in the process under a reference count (as serving stacks
 share it between PD transfer and KV offloading); each adapter owns only its own registrations.
+
+Protocol selection happens in one place, :func:`select_mooncake_setup` (pure): config ``protocol``, then
+``$MOONCAKE_PROTOCOL``, then ``"rdma"``; engine ``mooncake_tcp`` means ``tcp``. Mooncake's ``protocol``
+argument does not select the transport in most builds (it picks a memory allocator; the transport comes
+from the build, ``MC_FORCE_TCP``/``MC_FORCE_MNNVL``/``MC_INTRANODE_NVLINK`` and topology discovery), so
+the adapter sets those variables itself (``setdefault``: a user's value wins) and reports the transport
+that was actually installed (:func:`installed_transport`) in a log line and in ``describe()``.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import os
+import socket
 import threading
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,26 +55,56 @@ from ..errors import ConfigError, EngineError, EngineUnavailable
 from ..plan import Blocks
 from .base import EngineStatus, MemoryRegion, TransferHandle, WaitMode
 
-__all__ = ["MOONCAKE_PROTOCOLS", "MooncakeEngine", "MooncakeSetup", "select_mooncake_setup"]
+__all__ = [
+    "MOONCAKE_PROTOCOLS",
+    "MooncakeEngine",
+    "MooncakeSetup",
+    "installed_transport",
+    "select_mooncake_setup",
+]
 
 log = logging.getLogger("aiotransfer.engines.mooncake")
 
 MOONCAKE_PROTOCOLS = ("rdma", "efa", "tcp", "nvlink", "nvlink_intra", "ascend", "hip")
+PROTOCOL_ENV = "MOONCAKE_PROTOCOL"
+FORCE_TCP_ENV = "MC_FORCE_TCP"
+NPU_PHY_ID_ENV = "ASCEND_NPU_PHY_ID"
+ASCEND_DIST = "mooncake-transfer-engine-npu"
+ASCEND_FLAG = "SUPPORT_ASCEND"
+"""Pseudo build flag: the binding exports none for Ascend, so it is derived from the installed wheel."""
+
 _PROTOCOL_BUILD_FLAG = {
     "efa": "SUPPORT_EFA",
     "nvlink": "SUPPORT_MNNVL",
     "nvlink_intra": "SUPPORT_INTRA_NVLINK",
     "hip": "SUPPORT_HIP",
 }
-_PROTOCOL_WHEEL = {
-    "efa": "mooncake-transfer-engine with EFA support (the '-efa' build for AWS hosts)",
-    "nvlink": "mooncake-transfer-engine built with -DUSE_MNNVL=ON",
-    "nvlink_intra": "mooncake-transfer-engine (CUDA build with intra-node NVLink)",
-    "hip": "mooncake-transfer-engine built with -DUSE_HIP=ON (ROCm)",
+_PROTOCOL_ENV_DEFAULTS: dict[str, dict[str, str]] = {
+    # Mooncake tests these with getenv(): presence, not value. The protocol argument alone does not
+    # select these transports (it only picks the memory allocator), the variables do.
+    "tcp": {FORCE_TCP_ENV: "1"},
+    "nvlink": {"MC_FORCE_MNNVL": "1"},
+    "nvlink_intra": {"MC_INTRANODE_NVLINK": "1"},
 }
-NPU_PHY_ID_ENV = "ASCEND_NPU_PHY_ID"
+_FALSY = {"", "0", "false", "no", "off"}
 _CHECK_PENDING, _CHECK_DONE, _CHECK_FAILED, _CHECK_TIMEOUT = 0, 1, -1, -2
 _RC_ALREADY_REGISTERED = -7
+
+
+def _wheel_for(protocol: str, build_flags: Mapping[str, bool]) -> str:
+    """The Mooncake wheel (or build) providing ``protocol``; wheel names as published for 0.3.13."""
+    cuda = build_flags.get("SUPPORT_CUDA", False)
+    if protocol == "efa":
+        if cuda:
+            return "pip install mooncake-transfer-engine-efa  (CUDA 12; mooncake-transfer-engine-efa-cuda13 for CUDA 13)"
+        return "pip install mooncake-transfer-engine-efa-non-cuda"
+    if protocol == "hip":
+        return "pip install mooncake-transfer-engine-rocm  (ROCm build, USE_HIP)"
+    if protocol == "nvlink_intra":
+        return ("pip install mooncake-transfer-engine  (the x86_64 CUDA wheels are built with USE_INTRA_NVLINK; "
+                "mooncake-transfer-engine-cuda13 for CUDA 13)")
+    return ("the aarch64 CUDA wheel of mooncake-transfer-engine (built with USE_MNNVL); on x86_64 build "
+            "Mooncake from source with -DUSE_MNNVL=ON")
 
 
 @dataclass(frozen=True)
@@ -75,14 +114,30 @@ class MooncakeSetup:
     protocol: str
     """Protocol string passed to ``TransferEngine.initialize``."""
     source: str
-    """Where the protocol came from: ``config``, ``env`` or ``default``."""
+    """Where the protocol came from: ``alias`` (engine ``mooncake_tcp``), ``config``, ``env`` or ``default``."""
     device_name: str
-    """RDMA device list passed to ``initialize`` (empty: auto / none)."""
-    hostname_suffix: str = ""
-    """Appended to the hostname (Ascend: ``:port:npu_<id>`` is built at init)."""
+    """RDMA device list passed to ``initialize`` (empty: auto-discovery, or none when TCP is forced)."""
     env_defaults: Mapping[str, str] = field(default_factory=dict)
     """Variables set with ``setdefault`` before the engine exists (an explicit user value wins)."""
     force_tcp: bool = False
+    """TCP was asked for (protocol ``tcp`` or the ``mooncake_tcp`` alias): ``MC_FORCE_TCP``, no devices."""
+    npu_id: int | None = None
+    """Ascend only: the NPU physical id that ends the local hostname (``host:port:npu_<id>``)."""
+    notes: tuple[str, ...] = ()
+    """Things the user should know (logged as warnings when the engine is created)."""
+
+    @property
+    def hostname_suffix(self) -> str:
+        """Template of what is appended to the hostname: ``":{port}:npu_<id>"`` for Ascend, else empty."""
+        return "" if self.npu_id is None else f":{{port}}:npu_{self.npu_id}"
+
+    def local_hostname(self, hostname: str, port: int | None = None) -> str:
+        """The ``local_hostname`` for ``initialize``; Ascend needs ``port`` (a free port, see ``_free_port``)."""
+        if self.npu_id is None:
+            return hostname
+        if port is None:
+            raise ValueError("the Ascend hostname needs a port")
+        return hostname + self.hostname_suffix.format(port=port)
 
 
 def select_mooncake_setup(
@@ -97,55 +152,162 @@ def select_mooncake_setup(
     """Choose the Mooncake protocol, device list and environment, in one place (pure).
 
     Precedence: ``config_protocol``, then ``$MOONCAKE_PROTOCOL``, then ``"rdma"``. The ``mooncake_tcp``
-    alias (``alias_tcp``) forces TCP: ``MC_FORCE_TCP=1`` (setdefault) and no RDMA devices.
+    alias (``alias_tcp``) means protocol ``tcp`` (``$MOONCAKE_PROTOCOL`` is then ignored; a different
+    explicit ``config_protocol`` is an error). Protocol ``tcp`` sets ``MC_FORCE_TCP=1`` (setdefault) and
+    passes no RDMA devices. Protocols that need a special build (efa, nvlink, nvlink_intra, hip) are
+    refused without the build flag, naming the wheel to install. ``ascend`` gets the NPU id for the
+    ``host:port:npu_<id>`` hostname from ``$ASCEND_NPU_PHY_ID``, else ``device_id``, else 0.
+    ``rdma_devices`` is a comma list or a JSON map ``{gpu_id: "dev,dev" | [dev, ...]}`` (by ``device_id``).
     """
+    notes: list[str] = []
+    config_value = (config_protocol or "").strip().lower()
+    env_value = env.get(PROTOCOL_ENV, "").strip().lower()
     if alias_tcp:
+        if config_value and config_value != "tcp":
+            raise ConfigError(
+                f"engine 'mooncake_tcp' forces TCP but protocol={config_protocol!r} was given; use "
+                f"engine='mooncake' with that protocol, or drop the protocol"
+            )
         protocol, source = "tcp", "alias"
-    elif config_protocol:
-        protocol, source = config_protocol, "config"
-    elif env.get("MOONCAKE_PROTOCOL"):
-        protocol, source = env["MOONCAKE_PROTOCOL"], "env"
+        if env_value and env_value != "tcp":
+            notes.append(f"engine 'mooncake_tcp' ignores {PROTOCOL_ENV}={env[PROTOCOL_ENV]!r}")
+    elif config_value:
+        protocol, source = config_value, "config"
+    elif env_value:
+        protocol, source = env_value, "env"
     else:
         protocol, source = "rdma", "default"
-    protocol = protocol.strip().lower()
     if protocol not in MOONCAKE_PROTOCOLS:
+        where = f"${PROTOCOL_ENV}" if source == "env" else "config protocol"
         raise ConfigError(
-            f"unknown Mooncake protocol {protocol!r} (from {source}); expected one of {', '.join(MOONCAKE_PROTOCOLS)}"
+            f"unknown Mooncake protocol {protocol!r} (from {where}); expected one of {', '.join(MOONCAKE_PROTOCOLS)}"
         )
     flag = _PROTOCOL_BUILD_FLAG.get(protocol)
     if flag is not None and not build_flags.get(flag, False):
         raise ConfigError(
-            f"Mooncake protocol {protocol!r} needs a build with {flag}; the installed mooncake package "
-            f"lacks it. Install {_PROTOCOL_WHEEL[protocol]}."
+            f"Mooncake protocol {protocol!r} needs a Mooncake build with {flag}; the installed mooncake "
+            f"package lacks it. All Mooncake wheels provide the same 'mooncake' package: pip uninstall the "
+            f"installed one, then {_wheel_for(protocol, build_flags)}"
         )
-    env_defaults: dict[str, str] = {}
     force_tcp = protocol == "tcp"
-    if force_tcp:
-        env_defaults["MC_FORCE_TCP"] = "1"
-    device_name = "" if (force_tcp or alias_tcp) else _resolve_rdma_devices(rdma_devices, device_id)
-    suffix = ""
+    env_defaults = dict(_PROTOCOL_ENV_DEFAULTS.get(protocol, {}))
+    forced = env.get(FORCE_TCP_ENV)
+    if forced is not None and forced.strip().lower() in _FALSY:
+        notes.append(
+            f"{FORCE_TCP_ENV}={forced!r} is set: Mooncake only checks that the variable exists, so TCP is "
+            f"forced anyway; unset it to let Mooncake use RDMA"
+        )
+    elif forced is not None and not force_tcp:
+        notes.append(f"{FORCE_TCP_ENV} is set: Mooncake installs TCP, not {protocol!r}")
+    if build_flags.get("SUPPORT_EFA", False) and protocol not in ("efa", "tcp"):
+        notes.append(f"this Mooncake build has EFA support and installs only EFA or TCP: {protocol!r} runs over TCP")
+    npu_id: int | None = None
     if protocol == "ascend":
-        npu = env.get(NPU_PHY_ID_ENV) or (str(device_id) if device_id is not None else "0")
-        suffix = f":npu_{npu}"
-    return MooncakeSetup(protocol, source, device_name, suffix, env_defaults, force_tcp)
+        npu_id = _npu_id(env, device_id)
+        if not build_flags.get(ASCEND_FLAG, False):
+            notes.append(f"protocol 'ascend' but the installed Mooncake is not the Ascend wheel ({ASCEND_DIST})")
+    if force_tcp:
+        device_name = ""
+        if rdma_devices:
+            notes.append("rdma_devices is ignored: TCP is forced")
+    else:
+        device_name = _resolve_rdma_devices(rdma_devices, device_id)
+    return MooncakeSetup(protocol, source, device_name, env_defaults, force_tcp, npu_id, tuple(notes))
+
+
+def _npu_id(env: Mapping[str, str], device_id: int | None) -> int:
+    raw = env.get(NPU_PHY_ID_ENV, "").strip()
+    if raw and raw != "-1":  # SGLang's convention: -1 means unset
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ConfigError(f"{NPU_PHY_ID_ENV}={raw!r} is not an integer NPU physical id") from None
+        if value < 0:
+            raise ConfigError(f"{NPU_PHY_ID_ENV}={raw!r} must be >= 0 (or -1 for unset)")
+        return value
+    return device_id if device_id is not None else 0
 
 
 def _resolve_rdma_devices(spec: str | None, device_id: int | None) -> str:
     """A comma list, or a JSON map ``{gpu_id: "dev1,dev2"}`` / ``{gpu_id: [..]}`` picked by ``device_id``."""
-    if not spec:
+    if not spec or not spec.strip():
         return ""
     spec = spec.strip()
-    if not spec.startswith("{"):
-        return ",".join(d.strip() for d in spec.split(",") if d.strip())
+    if not spec.startswith(("{", "[")):
+        return _device_list(spec.split(","), spec)
     try:
         table = json.loads(spec)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"rdma_devices is not valid JSON: {exc}") from None
+    if not isinstance(table, dict):
+        raise ConfigError(
+            f"rdma_devices JSON must map a GPU id to devices, e.g. {{\"0\": \"mlx5_0,mlx5_1\"}}; got {spec!r}"
+        )
     key = str(device_id if device_id is not None else 0)
     if key not in table:
-        raise ConfigError(f"rdma_devices has no entry for device {key}; keys: {sorted(table)}")
+        raise ConfigError(
+            f"rdma_devices has no entry for GPU {key} (this rank's device_id); keys: {', '.join(sorted(table))}"
+        )
     value = table[key]
-    return ",".join(value) if isinstance(value, list) else str(value)
+    if isinstance(value, str):
+        return _device_list(value.split(","), spec)
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return _device_list(value, spec)
+    raise ConfigError(f"rdma_devices entry for GPU {key} must be a string or a list of strings, got {value!r}")
+
+
+def _device_list(items: Sequence[str], spec: str) -> str:
+    names: list[str] = []
+    for item in items:
+        name = item.strip()
+        if name and name not in names:
+            names.append(name)
+    if not names:
+        raise ConfigError(f"rdma_devices names no device: {spec!r}")
+    return ",".join(names)
+
+
+def installed_transport(
+    protocol: str,
+    build_flags: Mapping[str, bool],
+    env: Mapping[str, str],
+    has_hca: bool | Callable[[], bool],
+) -> str:
+    """The transport Mooncake installs for this protocol, build and environment (pure; ``has_hca`` may be
+    a callable, asked only when the answer depends on it).
+
+    Mirrors ``TransferEnginePy::initializeExt`` and ``TransferEngineImpl::init`` (Mooncake 0.3.13): EFA
+    builds install EFA for ``efa`` and TCP otherwise; ``MC_FORCE_TCP`` (present, whatever its value) means
+    TCP; Ascend builds install the Ascend transport; NVLink builds pick ``nvlink_intra`` on
+    ``MC_INTRANODE_NVLINK``, ``nvlink`` when forced or without HCAs, else RDMA; other builds pick RDMA when
+    an HCA is found (or ``MC_FORCE_HCA``), else TCP. HIP builds add ``hip`` for intra-node GPU copies.
+    """
+    if build_flags.get("SUPPORT_EFA", False):
+        return "efa" if protocol == "efa" else "tcp"
+    if FORCE_TCP_ENV in env:
+        return "tcp"
+    if build_flags.get(ASCEND_FLAG, False):
+        return "ascend"
+
+    def hca() -> bool:
+        return has_hca() if callable(has_hca) else has_hca
+
+    force_hca = "MC_FORCE_HCA" in env
+    musa = build_flags.get("SUPPORT_MUSA", False)
+    p2p_compiled = build_flags.get("SUPPORT_MNNVL", False) or musa
+    if p2p_compiled or build_flags.get("SUPPORT_INTRA_NVLINK", False):
+        force_p2p = "MC_FORCE_MNNVL" in env or (musa and "MC_FORCE_MUSA" in env)
+        if "MC_INTRANODE_NVLINK" in env:
+            base = "nvlink_intra"
+        elif p2p_compiled and (force_p2p or not hca()):
+            base = "musa" if musa else "nvlink"
+        elif force_hca or hca():
+            base = "rdma"
+        else:
+            base = "tcp"
+    else:
+        base = "rdma" if force_hca or hca() else "tcp"
+    return base + "+hip" if build_flags.get("SUPPORT_HIP", False) else base
 
 
 def _import_engine_module() -> Any:
@@ -167,13 +329,61 @@ def _import_engine_module() -> Any:
     return module
 
 
-def _apply_env(config: TransferConfig, setup: MooncakeSetup, environ: MutableMapping[str, str]) -> None:
-    for key, value in setup.env_defaults.items():
-        environ.setdefault(key, value)
-    environ.setdefault("MC_LOG_LEVEL", config.engine_log_level)
+def _build_flags(module: Any) -> dict[str, bool]:
+    """The module's ``SUPPORT_*`` build flags, plus ``SUPPORT_ASCEND`` derived from the installed wheel."""
+    flags = {k: bool(getattr(module, k, False)) for k in dir(module) if k.startswith("SUPPORT_")}
+    try:
+        importlib.metadata.version(ASCEND_DIST)
+        flags[ASCEND_FLAG] = True
+    except importlib.metadata.PackageNotFoundError:
+        flags.setdefault(ASCEND_FLAG, False)
+    return flags
+
+
+def _apply_env(config: TransferConfig, setup: MooncakeSetup, environ: MutableMapping[str, str]) -> dict[str, str]:
+    """``setdefault`` the engine's variables (a value the user set wins); returns what was actually set."""
+    wanted = dict(setup.env_defaults)
+    wanted["MC_LOG_LEVEL"] = config.engine_log_level
     if config.engine_timeout_s is not None:
-        environ.setdefault("MC_TRANSFER_TIMEOUT", str(config.engine_timeout_s))
-        environ.setdefault("MC_TCP_STATUS_TIMEOUT_SEC", str(max(3, config.engine_timeout_s - 1)))
+        wanted["MC_TRANSFER_TIMEOUT"] = str(config.engine_timeout_s)
+        wanted["MC_TCP_STATUS_TIMEOUT_SEC"] = str(max(3, config.engine_timeout_s - 1))
+    applied: dict[str, str] = {}
+    for key, value in wanted.items():
+        if key not in environ:
+            environ[key] = value
+            applied[key] = value
+    return applied
+
+
+def _free_port() -> int:
+    """A TCP port free right now (Ascend's ``host:port:npu_<id>`` hostname needs one, as SGLang does)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _visible_hcas(device_filter: str, root: str = "/sys/class/infiniband") -> list[str]:
+    """RDMA devices the kernel shows, restricted to ``device_filter`` (a comma list) when given."""
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return []
+    wanted = {d for d in device_filter.split(",") if d}
+    return [n for n in names if not wanted or n in wanted]
+
+
+def _has_hca(native: Any, device_filter: str) -> bool:
+    """Whether Mooncake's topology discovery finds a usable HCA. No device in sysfs means none (cheap);
+    otherwise ask the engine (``get_local_topology`` runs a discovery: ~1 s)."""
+    if not _visible_hcas(device_filter):
+        return False
+    try:
+        topo = json.loads(native.get_local_topology(device_filter or None))
+        return any(any(hcas) for entry in topo.values() for hcas in entry)
+    except Exception as exc:  # unknown: the devices exist, so Mooncake most likely installed RDMA
+        log.debug("Mooncake topology query failed: %r", exc)
+        return True
 
 
 class _SharedNative:
@@ -182,12 +392,16 @@ class _SharedNative:
     lock = threading.Lock()
     instance: _SharedNative | None = None
 
-    def __init__(self, native: Any, session_id: str, transport: str, setup: MooncakeSetup, module: Any) -> None:
+    def __init__(
+        self, native: Any, session_id: str, transport: str, setup: MooncakeSetup, module: Any,
+        flags: Mapping[str, bool],
+    ) -> None:
         self.native = native
         self.session_id = session_id
         self.transport = transport
         self.setup = setup
         self.module = module
+        self.flags = dict(flags)
         self.refs = 0
         self.connected: set[str] = set()
         self.regions: dict[tuple[int, int], int] = {}  # (ptr, nbytes) -> refcount
@@ -200,7 +414,7 @@ class MooncakeEngine:
 
     def __init__(self, config: TransferConfig, *, alias_tcp: bool = False) -> None:
         module = _import_engine_module()
-        flags = {k: bool(getattr(module, k, False)) for k in dir(module) if k.startswith("SUPPORT_")}
+        flags = _build_flags(module)
         setup = select_mooncake_setup(
             config_protocol=config.protocol,
             env=os.environ,
@@ -212,12 +426,17 @@ class MooncakeEngine:
         with _SharedNative.lock:
             shared = _SharedNative.instance
             if shared is None:
-                shared = self._create(config, setup, module)
+                shared = self._create(config, setup, module, flags)
                 _SharedNative.instance = shared
             elif shared.setup.protocol != setup.protocol:
                 raise ConfigError(
                     f"this process already runs a Mooncake engine with protocol {shared.setup.protocol!r}; "
                     f"one engine per process (asked for {setup.protocol!r})"
+                )
+            elif shared.setup.device_name != setup.device_name:
+                log.warning(
+                    "Mooncake engine is shared per process: RDMA devices %r asked for, %r in use",
+                    setup.device_name, shared.setup.device_name,
                 )
             shared.refs += 1
         self._shared = shared
@@ -229,10 +448,14 @@ class MooncakeEngine:
         self.register([self.probe_region])
 
     @staticmethod
-    def _create(config: TransferConfig, setup: MooncakeSetup, module: Any) -> _SharedNative:
-        _apply_env(config, setup, os.environ)
+    def _create(
+        config: TransferConfig, setup: MooncakeSetup, module: Any, flags: Mapping[str, bool]
+    ) -> _SharedNative:
+        applied = _apply_env(config, setup, os.environ)
+        for note in setup.notes:
+            log.warning("Mooncake: %s", note)
         native = module.TransferEngine()
-        hostname = config.hostname + setup.hostname_suffix
+        hostname = setup.local_hostname(config.hostname, _free_port() if setup.npu_id is not None else None)
         rc = native.initialize(hostname, "P2PHANDSHAKE", setup.protocol, setup.device_name)
         if rc != 0:
             raise EngineError(
@@ -241,13 +464,21 @@ class MooncakeEngine:
                 code=rc,
             )
         port = native.get_rpc_port()
-        transport = _detect_transport(native, setup)
+        transport = installed_transport(
+            setup.protocol, flags, os.environ, lambda: _has_hca(native, setup.device_name)
+        )
         session = f"{config.hostname}:{port}"
         log.info(
-            "Mooncake engine up: session=%s protocol=%s (%s) transport=%s devices=%r",
+            "Mooncake engine up: session=%s protocol=%s (from %s) transport=%s devices=%r env set=%s",
             session, setup.protocol, setup.source, transport, setup.device_name,
+            ",".join(f"{k}={v}" for k, v in applied.items()) or "none",
         )
-        return _SharedNative(native, session, transport, setup, module)
+        if setup.protocol not in transport.split("+"):
+            log.warning(
+                "Mooncake protocol %r was asked for (from %s) but the %r transport is installed",
+                setup.protocol, setup.source, transport,
+            )
+        return _SharedNative(native, session, transport, setup, module, flags)
 
     # -- identity ------------------------------------------------------------------------------
     @property
@@ -267,6 +498,7 @@ class MooncakeEngine:
             "protocol_source": s.setup.source,
             "transport": s.transport,
             "rdma_devices": s.setup.device_name,
+            "build": sorted(k for k, v in s.flags.items() if v),
             "shared_refs": s.refs,
         }
 
@@ -393,15 +625,3 @@ class MooncakeEngine:
         """The native ``mooncake.engine.TransferEngine`` (benchmarks and diagnostics only)."""
         return self._shared.native
 
-
-def _detect_transport(native: Any, setup: MooncakeSetup) -> str:
-    if setup.force_tcp or os.environ.get("MC_FORCE_TCP") == "1":
-        return "tcp"
-    try:
-        topo = json.loads(native.get_local_topology())
-    except Exception:
-        return setup.protocol
-    has_hca = any(any(lst) for entry in topo.values() for lst in entry)
-    if setup.protocol == "rdma" and not has_hca:
-        return "tcp"
-    return setup.protocol

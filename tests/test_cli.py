@@ -1,0 +1,222 @@
+"""The command line: ``python -m aiotransfer doctor | demo | bench`` (subprocesses), plus the helpers
+they are built on (loop-lag monitor, byte pattern, page allocator) in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from aiotransfer._lag import LoopLagMonitor
+from aiotransfer.demo import KVPool, PageAllocator, count_bad_pages, fill_pages, make_requests
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env.setdefault("MC_LOG_LEVEL", "ERROR")
+    return subprocess.run(
+        [sys.executable, "-m", "aiotransfer", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# subcommands
+# ----------------------------------------------------------------------------------------------------
+def test_doctor_runs_and_mentions_mooncake() -> None:
+    proc = _run("doctor", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "mooncake" in proc.stdout
+    assert "transport" in proc.stdout
+    assert "libibverbs.so.1" in proc.stdout
+
+
+def test_doctor_json() -> None:
+    proc = _run("doctor", "--json", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    topics = {f["topic"] for f in report["findings"]}
+    assert {"python", "system", "mooncake", "transport", "nixl", "mori"} <= topics
+    assert report["facts"]["mooncake_transport"]
+    assert report["problems"] == sum(f["level"] in ("warn", "error") for f in report["findings"])
+    for f in report["findings"]:
+        if f["level"] in ("warn", "error"):
+            assert f["fix"], f  # every problem comes with a fix line
+
+
+def test_doctor_strict_fails_on_a_problem() -> None:
+    env = dict(os.environ, MC_FORCE_HCA="1", MC_LOG_LEVEL="ERROR")
+    env.pop("MC_FORCE_TCP", None)
+    env.pop("AIOTRANSFER_ENGINE", None)
+    if os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband"):
+        pytest.skip("this host has RDMA devices: MC_FORCE_HCA is not a problem here")
+    proc = subprocess.run(
+        [sys.executable, "-m", "aiotransfer", "doctor", "--strict"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert proc.returncode == 1, proc.stdout
+    assert "unset MC_FORCE_HCA" in proc.stdout
+    relaxed = subprocess.run(
+        [sys.executable, "-m", "aiotransfer", "doctor"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert relaxed.returncode == 0
+
+
+def test_demo_small_geometry(tmp_path: Path) -> None:
+    out = tmp_path / "demo.json"
+    t0 = time.monotonic()
+    proc = _run(
+        "demo", "--requests", "64", "--layers", "2", "--kv-heads", "2", "--pool-pages", "384",
+        "--concurrency", "4", "--json", str(out), "--timeout", "90", timeout=120,
+    )
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads(out.read_text())
+    assert res["requests"] == 64
+    assert res["verified_requests"] == 64
+    assert res["mismatched_pages"] == 0
+    assert res["errors"] == []
+    assert res["geometry"]["buffers"] == 4
+    assert res["throughput_gbps"] > 0
+    assert res["latency_ms"]["p50"] <= res["latency_ms"]["p99"]
+    assert len(res["per_request"]) == 64
+    assert "GB/s" in proc.stdout and "p99" in proc.stdout
+    assert elapsed < 60, f"demo with a tiny geometry took {elapsed:.1f}s"
+
+
+def test_demo_fails_on_a_mismatch(tmp_path: Path) -> None:
+    out = tmp_path / "demo.json"
+    proc = _run(
+        "demo", "--requests", "6", "--layers", "1", "--kv-heads", "1", "--pool-pages", "512", "--corrupt", "3",
+        "--json", str(out), "--timeout", "60", timeout=120,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    res = json.loads(out.read_text())
+    assert res["mismatched_pages"] == 1
+    assert len(res["errors"]) == 1 and "1 mismatched pages" in res["errors"][0]
+    assert "FAILED" in proc.stdout
+
+
+def test_demo_rejects_a_pool_too_small() -> None:
+    proc = _run("demo", "--pool-pages", "8", "--layers", "1", timeout=60)
+    assert proc.returncode == 2
+    assert "pool-pages" in proc.stderr
+
+
+def test_bench_quick_writes_three_figures(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = _run("bench", "--quick", "--out", str(out), timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads(out.read_text())
+    assert set(res["figures"]) == {"a", "b", "c"}
+    for fig in res["figures"].values():
+        assert fig["verified"] is True
+        assert fig["raw"]["gbps"] > 0 and fig["aiotransfer"]["gbps"] > 0
+        assert fig["ratio"] == pytest.approx(fig["aiotransfer"]["gbps"] / fig["raw"]["gbps"], rel=1e-6)
+        assert fig["raw"]["call"] in fig["raw"]["styles"]
+        assert fig["same_call"]["call"] in fig["raw"]["styles"]
+        assert fig["same_call"]["ratio"] >= fig["ratio"] * (1 - 1e-9)  # best raw >= any raw style
+    assert res["figures"]["b"]["raw"]["entries"] == res["figures"]["b"]["params"]["runs"]
+    lag = res["loop_lag"]["a_aiotransfer"]
+    assert lag["samples"] > 0 and lag["p50_ms"] <= lag["p99_ms"] <= lag["max_ms"]
+    assert "ratio" in proc.stdout
+
+
+# ----------------------------------------------------------------------------------------------------
+# helpers, in-process
+# ----------------------------------------------------------------------------------------------------
+async def test_loop_lag_monitor_sees_a_blocked_loop() -> None:
+    mon = LoopLagMonitor(interval=0.001)
+    async with mon:
+        await asyncio.sleep(0.05)
+        time.sleep(0.03)  # noqa: ASYNC251 -- blocks the loop on purpose
+        await asyncio.sleep(0.02)
+    s = mon.summary()
+    assert s["samples"] >= 10
+    assert s["max_ms"] >= 25
+    assert s["p50_ms"] < 10
+    samples = mon.samples
+    assert samples.dtype == np.float64 and samples.size == s["samples"]
+    assert not mon.running
+    assert "stopped" in repr(mon)
+
+
+async def test_loop_lag_monitor_empty_and_restart() -> None:
+    mon = LoopLagMonitor()
+    assert mon.summary()["samples"] == 0 and mon.summary()["p99_ms"] is None
+    mon.start()
+    await asyncio.sleep(0.02)
+    await mon.stop()
+    n = mon.summary()["samples"]
+    mon.start()
+    await asyncio.sleep(0.02)
+    await mon.stop()
+    assert mon.summary()["samples"] > n
+    mon.reset()
+    assert mon.summary()["samples"] == 0
+    with pytest.raises(ValueError):
+        LoopLagMonitor(interval=0)
+
+
+def test_pattern_detects_every_corrupted_byte() -> None:
+    pool = KVPool(3, 16, (4, 8), np.uint16)
+    pages = np.array([5, 1, 9], dtype=np.int64)
+    fill_pages(pool, 42, pages)
+    assert count_bad_pages(pool, 42, pages) == 0
+    assert count_bad_pages(pool, 43, pages) == 3 * 3  # another room's pattern differs everywhere
+    raw = pool.slab.view(np.uint8)
+    raw[2, 9, 3, 7] ^= 0x01  # one bit in the last byte of buffer 2's page 9
+    assert count_bad_pages(pool, 42, pages) == 1
+    # regions registered with the engine never touch: one spare page between buffers
+    assert all(b.ctypes.data + b.nbytes < nb.ctypes.data for b, nb in itertools.pairwise(pool.buffers))
+
+
+def test_requests_are_deterministic_and_chunked() -> None:
+    a = make_requests(7, 64, 256, 4096, 16, 3)
+    assert a == make_requests(7, 64, 256, 4096, 16, 3)
+    assert len({r.room for r in a}) == 64
+    for r in a:
+        assert 256 <= r.tokens <= 4096
+        assert r.pages == -(-r.tokens // 16)
+        assert sum(r.chunks) == r.pages and 1 <= len(r.chunks) <= 3 and min(r.chunks) >= 1
+
+
+async def test_page_allocator_is_fifo_and_scattered() -> None:
+    alloc = PageAllocator(10, np.random.default_rng(0))
+    first = await alloc.alloc(6, timeout=1)
+    assert len(set(first.tolist())) == 6
+    big = asyncio.ensure_future(alloc.alloc(8, timeout=1))
+    await asyncio.sleep(0)
+    small = asyncio.ensure_future(alloc.alloc(2, timeout=1))  # fits now, but must not overtake `big`
+    await asyncio.sleep(0.01)
+    assert not big.done() and not small.done()
+    await alloc.release(first)
+    got_big = await big
+    assert got_big.size == 8
+    await asyncio.sleep(0)
+    assert small.done()
+    await alloc.release(got_big)
+    await alloc.release(small.result())
+    assert alloc.free_pages == 10
+    with pytest.raises(asyncio.TimeoutError):
+        await _exhaust(alloc)
+    assert alloc.free_pages == 10
+
+
+async def _exhaust(alloc: PageAllocator) -> None:
+    held = await alloc.alloc(10, timeout=1)
+    try:
+        await alloc.alloc(1, timeout=0.01)
+    finally:
+        await alloc.release(held)

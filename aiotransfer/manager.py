@@ -167,6 +167,9 @@ class KVManager:
             self._arena = StagingArena(self.config.staging_bytes)
             self._regions.append(MemoryRegion(self._arena.ptr, self._arena.nbytes))
         self._checksums: dict[tuple[int, str], RoomChecksum] = {}
+        # Back-to-back buffers (per-layer views of one tensor) are registered as one region: the planner
+        # merges entries across such buffers, and engines require every entry inside one registration.
+        self._regions = _merge_regions(self._regions)
         self._stage_ids = 0
         self._stage_waiters: dict[int, asyncio.Future[Any]] = {}
         self._stage_grants: dict[tuple[str, int], tuple[int, int, int]] = {}
@@ -249,6 +252,7 @@ class KVManager:
                 max_batch=cfg.max_batch_entries,
                 interval_min=cfg.poll_interval_min,
                 interval_max=cfg.poll_interval_max,
+                inline_submit_max=1 if getattr(self._engine, "cheap_submit", False) else 0,
             )
             self._control = ControlPlane(
                 cfg.hostname,
@@ -756,7 +760,8 @@ class KVManager:
         if mode == "always":
             return s_sl, d_sl
         cost = float(getattr(self.engine, "entry_cost_s", 30e-6))
-        if choose_staging(entries=entries, nbytes=per_page * int(src.size), entry_cost_s=cost):
+        bw = float(getattr(self.engine, "bandwidth_bps", 2e9))
+        if choose_staging(entries=entries, nbytes=per_page * int(src.size), entry_cost_s=cost, bandwidth_bps=bw):
             return s_sl, d_sl
         return None
 
@@ -1418,3 +1423,15 @@ def _read_bytes(buf: Buffer, slot: int) -> bytes:
 
 def _write_bytes(buf: Buffer, slot: int, data: bytes) -> None:
     ctypes.memmove(buf.ptr + buf.item_len * slot, data, len(data))
+
+
+def _merge_regions(regions: list[MemoryRegion]) -> list[MemoryRegion]:
+    """Merge touching or overlapping regions of the same device into one."""
+    out: list[MemoryRegion] = []
+    for r in sorted(set(regions), key=lambda r: (r.device, r.ptr)):
+        if out and out[-1].device == r.device and r.ptr <= out[-1].end:
+            last = out[-1]
+            out[-1] = MemoryRegion(last.ptr, max(last.end, r.end) - last.ptr, last.device)
+        else:
+            out.append(r)
+    return out

@@ -143,9 +143,23 @@ def scatter_pages(
 
 
 def choose_staging(
-    *, entries: int, nbytes: int, entry_cost_s: float, copy_bw: float = 4e9, round_trip_s: float = 6e-4
+    *,
+    entries: int,
+    nbytes: int,
+    entry_cost_s: float,
+    bandwidth_bps: float,
+    copy_bw: float = 4e9,
+    round_trip_s: float = 6e-4,
 ) -> bool:
-    """Stage when ``entries x per-entry cost`` exceeds two copies of the bytes plus the extra round trips."""
-    direct = entries * entry_cost_s
-    staged = 2 * nbytes / copy_bw + round_trip_s + entry_cost_s
-    return entries > 1 and staged < direct
+    """Stage when it is cheaper (a cost model, measured constants per engine).
+
+    direct = max(entries x per-entry cost, bytes / engine bandwidth): small entries are bound by the
+    per-entry cost, large ones by the wire. staged = bytes / engine bandwidth + gather and scatter copies
+    (not overlapped: on small hosts the copies compete with the engine's own threads) + round trips.
+    """
+    if entries <= 1:
+        return False
+    wire = nbytes / bandwidth_bps
+    direct = max(entries * entry_cost_s, wire)
+    staged = wire + 2 * nbytes / copy_bw + round_trip_s + entry_cost_s
+    return staged < direct

@@ -296,3 +296,23 @@ async def test_reverse_direction_remote_prefill_local_decode(engine: str) -> Non
             assert expected_digest(dst, d_pages) == expected
     finally:
         await peer.close()
+
+
+async def test_back_to_back_buffers_merge_across_layers(engine: str) -> None:
+    """Per-layer views of one tensor: entries merge across buffers, so regions must be registered merged."""
+    from aiotransfer import KVArgs, TransferConfig
+
+    src = np.random.default_rng(3).integers(0, 255, size=(4, 8, 4096), dtype=np.uint8)
+    dst = np.zeros_like(src)
+    cfg = TransferConfig(engine=engine, staging="never")
+    async with KVManager(KVArgs(list(src), page_size=16, dtype="uint8"), cfg) as p, KVManager(
+        KVArgs(list(dst), page_size=16, dtype="uint8"), cfg
+    ) as d:
+        tx = p.sender(1)
+        rx = d.receiver(1, p.endpoint)
+        await rx.send_metadata([0, 7])
+        await tx.wait_ready(timeout=10)
+        await tx.send_kv([0, 7])  # page 7 of layer l and page 0 of layer l+1 are adjacent on both sides
+        await rx.done(timeout=10)
+        assert p.stats()["kv_entries_sent"] == 5  # 4 layers x 2 pages, joined at 3 layer boundaries
+        assert (dst[:, [0, 7]] == src[:, [0, 7]]).all()

@@ -130,6 +130,9 @@ class MoriEngine:
     """MORI-IO adapter, one ``IOEngine`` per instance (see module docstring)."""
 
     name = "mori"
+    cheap_submit = False
+    entry_cost_s = 5e-6
+    bandwidth_bps = 20.0e9
 
     def __init__(self, config: TransferConfig) -> None:
         io = _import_io()

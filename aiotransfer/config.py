@@ -76,7 +76,7 @@ class TransferConfig:
     engine_timeout_s: int | None = 30
     """Mooncake's own per-transfer timeout (``MC_TRANSFER_TIMEOUT``, min 5; also sets
     ``MC_TCP_STATUS_TIMEOUT_SEC``). ``None`` leaves the environment untouched."""
-    engine_log_level: str = "WARNING"
+    engine_log_level: str = "ERROR"
     """glog level of the engine (``MC_LOG_LEVEL``); an explicit environment value wins."""
 
     max_entries_in_flight: int = 1024
@@ -96,6 +96,8 @@ class TransferConfig:
     pending_request_ttl: float = 600.0
     """How long transfer requests for a room nobody created a sender for are kept."""
 
+    lag_probe_interval: float = 0.01
+    """Period of the event-loop lag probe feeding ``stats()['latency']['loop_lag']``; 0 disables it."""
     heartbeat_interval: float = 1.0
     """Seconds between liveness pings to every peer with an open room."""
     peer_timeout: float = 3.0

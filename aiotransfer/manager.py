@@ -231,6 +231,8 @@ class KVManager:
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> KVManager:
+        """Create the engine (on the executor, after device binding), register memory, open the control
+        socket and start the heartbeat. Idempotent; ``async with`` calls it for you."""
         if self._started:
             return self
         if self._closed:
@@ -265,6 +267,8 @@ class KVManager:
             await self._control.start()
             self._ranks[self._rank_key()] = self._control.endpoint
             self._liveness.start()
+            if cfg.lag_probe_interval > 0:
+                self._spawn(self._probe_loop_lag(cfg.lag_probe_interval), "lag-probe")
             if cfg.bootstrap:
                 await self._register_with_leader(cfg.bootstrap)
         except BaseException:
@@ -448,6 +452,14 @@ class KVManager:
             self._rx_status.clear(room)
             self._receivers.pop(room, None)
             self.counters[f"rooms_received_{new.name.lower()}"] += 1
+
+    async def _probe_loop_lag(self, interval: float) -> None:
+        """How late the event loop wakes a sleeper: the library's own responsiveness, as a histogram."""
+        clock = time.perf_counter
+        while True:
+            t0 = clock()
+            await asyncio.sleep(interval)
+            self.metrics.observe("loop_lag", max(clock() - t0 - interval, 0.0))
 
     # -- liveness ------------------------------------------------------------------------------
     def _active_peers(self) -> set[str]:
@@ -982,6 +994,11 @@ class KVManager:
             except (EngineError, TransferTimeout) as exc:
                 if self.config.aux_path is not AuxPath.AUTO:
                     raise TransferFailed(f"aux transfer to {peer.endpoint} failed: {exc}", room=room) from exc
+                if any(b.device != "cpu" for b in self.args.aux):
+                    raise TransferFailed(
+                        f"aux transfer to {peer.endpoint} failed ({exc}); no TCP fallback for device-resident aux",
+                        room=room,
+                    ) from exc
                 self.counters["aux_fallback"] += 1
                 if not self._aux_fallback_logged:
                     self._aux_fallback_logged = True

@@ -64,6 +64,7 @@ class KVReceiver:
 
     @property
     def failure_reason(self) -> str | None:
+        """Why the room failed (as reported by prefill, or found here), or None."""
         return self._reason
 
     def _set_status(self, status: KVPoll, reason: str | None = None) -> None:

@@ -82,6 +82,7 @@ class KVSender:
 
     @property
     def failure_reason(self) -> str | None:
+        """Why the room failed (also sent to decode), or None."""
         return self._reason
 
     def _set_status(self, status: KVPoll, reason: str | None = None) -> None:
@@ -159,6 +160,7 @@ class KVSender:
 
     @property
     def pages_remaining(self) -> int | None:
+        """Destination pages not yet covered by a chunk (None until ready)."""
         return None if self._num_dst_pages is None else self._num_dst_pages - self._cursor
 
     @property
@@ -316,6 +318,8 @@ class KVSender:
         """
         self._check_sendable()
         m = self._m
+        if self.is_dummy:
+            return  # a dummy rank sends nothing; its decode peers did not ask it for aux
         if self._aux_sent:
             raise InvalidArgument(f"room {self.room}: aux was already sent")
         if not m.args.aux:
@@ -350,6 +354,8 @@ class KVSender:
         """
         self._check_sendable()
         m = self._m
+        if self.is_dummy:
+            return  # a dummy rank sends nothing; its decode peers did not ask it for state
         if self._state_sent:
             raise InvalidArgument(f"room {self.room}: state was already sent")
         local = m._validate_state_indices(states, role="send_state")

@@ -17,6 +17,7 @@ import hmac
 import logging
 import secrets
 import struct
+import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
@@ -216,18 +217,33 @@ class ControlPlane:
             self._last_warn = now
             log.warning("dropped control message (%s): %s [total dropped %d]", cause, exc, sum(self.dropped.values()))
 
-    async def aclose(self) -> None:
+    async def aclose(self, linger: float = 0.5) -> None:
+        """Stop receiving; give queued outbound messages (a last Success status...) up to ``linger``
+        seconds to leave, on a helper thread so the event loop never blocks on it."""
         self._closed = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         for sock in self._out.values():
-            sock.close(linger=0)
+            sock.close(linger=int(linger * 1000))
         self._out.clear()
         if self._pull is not None:
             self._pull.close(linger=0)
             self._pull = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
+        ctx, self._ctx = self._ctx, None
+        if ctx is None:
+            return
+        loop = asyncio.get_running_loop()
+        done = asyncio.Event()
+
+        def term() -> None:
+            ctx.term()
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(done.set)
+
+        threading.Thread(target=term, name="aiotransfer-zmq-term", daemon=True).start()
+        try:
+            await asyncio.wait_for(done.wait(), linger + 1.0)
+        except asyncio.TimeoutError:
+            log.warning("control sockets still draining after %.1fs; leaving them to a helper thread", linger)

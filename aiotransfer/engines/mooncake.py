@@ -310,7 +310,9 @@ def installed_transport(
     return base + "+hip" if build_flags.get("SUPPORT_HIP", False) else base
 
 
-def _import_engine_module() -> Any:
+def _import_engine_module(log_level: str = "WARNING") -> Any:
+    # glog reads MC_LOG_LEVEL when the extension loads: set it (unless the user did) before importing.
+    os.environ.setdefault("MC_LOG_LEVEL", log_level)
     try:
         import mooncake.engine as module
     except ImportError as exc:
@@ -419,7 +421,7 @@ class MooncakeEngine:
     """Measured TCP loopback throughput of one peer connection."""
 
     def __init__(self, config: TransferConfig, *, alias_tcp: bool = False) -> None:
-        module = _import_engine_module()
+        module = _import_engine_module(config.engine_log_level)
         flags = _build_flags(module)
         setup = select_mooncake_setup(
             config_protocol=config.protocol,

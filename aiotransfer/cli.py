@@ -231,7 +231,7 @@ def _check_transport(rep: Report, flags: dict[str, bool] | None) -> None:
     rep.facts["rdma_devices"] = devices
     env = os.environ
     rep.add("info", "transport", "RDMA devices in /sys/class/infiniband: " + (", ".join(devices) or "none"))
-    force_tcp = env.get("MC_FORCE_TCP") == "1"
+    force_tcp = "MC_FORCE_TCP" in env  # Mooncake tests presence: MC_FORCE_TCP=0 forces TCP too
     force_hca = bool(env.get("MC_FORCE_HCA"))
     engine = env.get("AIOTRANSFER_ENGINE") or "mooncake"
     protocol = env.get("AIOTRANSFER_PROTOCOL") or env.get("MOONCAKE_PROTOCOL") or "rdma"
@@ -248,10 +248,19 @@ def _check_transport(rep: Report, flags: dict[str, bool] | None) -> None:
         except ConfigError as exc:
             rep.add("error", "transport", str(exc), "unset MOONCAKE_PROTOCOL, or install the build it names; "
                     "on CPU hosts use TransferConfig(engine='mooncake_tcp')")
+    if flags is not None and engine != "mooncake_tcp" and not force_hca:
+        from .engines.mooncake import installed_transport
+
+        try:
+            exact = installed_transport(protocol, flags, env, bool(devices))
+        except Exception:  # a prediction only; fall back to the simple rules below
+            exact = None
+        if exact is not None:
+            rep.facts["mooncake_transport_exact"] = exact
     if engine == "mooncake_tcp":
         predicted = "tcp (engine 'mooncake_tcp' sets MC_FORCE_TCP=1)"
     elif force_tcp:
-        predicted = "tcp (MC_FORCE_TCP=1)"
+        predicted = f"tcp (MC_FORCE_TCP={env['MC_FORCE_TCP']}; Mooncake only checks that it is set)"
     elif protocol != "rdma":
         predicted = f"{protocol} (protocol from the environment)"
     elif devices:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._room import RoomSide
 from .errors import InvalidArgument, TransferFailed, TransferTimeout
 from .plan import as_index_array, check_range, check_unique
-from .status import KVPoll, PollLatch
+from .status import KVPoll
 
 if TYPE_CHECKING:
     from .manager import KVManager
@@ -22,7 +22,7 @@ __all__ = ["KVReceiver"]
 log = logging.getLogger("aiotransfer.receiver")
 
 
-class KVReceiver:
+class KVReceiver(RoomSide):
     """Declares where one room's pages go, then waits for every required prefill rank to report.
 
     Created by :meth:`KVManager.receiver`. Status: Bootstrapping -> WaitingForInput (metadata sent) ->
@@ -30,17 +30,12 @@ class KVReceiver:
     """
 
     def __init__(self, manager: KVManager, room: int, peer: str, prefill_dp_rank: int | None = None) -> None:
+        super().__init__(room)
         self._m = manager
-        self.room = room
         self.peer = peer
         self.prefill_dp_rank = prefill_dp_rank
         self._all_targets: list[str] = []
         self._pages: np.ndarray | None = None
-        self._latch = PollLatch()
-        self._status = KVPoll.Bootstrapping
-        self._reason: str | None = None
-        self._created = time.monotonic()
-        self._changed = asyncio.Event()
         self._sent = False
         self._targets: dict[str, int] = {}
         """prefill endpoint -> prefill rank, for every rank we expect a status from."""
@@ -57,21 +52,6 @@ class KVReceiver:
             f"<KVReceiver room={self.room} peer={self.peer} {self.poll().name} "
             f"responses={len(self._succeeded)}/{self._required}>"
         )
-
-    def poll(self) -> KVPoll:
-        """Current status; the first terminal status is latched and returned forever after."""
-        return self._latch.observe(self._status)
-
-    @property
-    def failure_reason(self) -> str | None:
-        """Why the room failed (as reported by prefill, or found here), or None."""
-        return self._reason
-
-    def _set_status(self, status: KVPoll, reason: str | None = None) -> None:
-        self._status = status
-        if status is KVPoll.Failed and self._reason is None:
-            self._reason = reason or "failed"
-        self._changed.set()
 
     # -- public API -----------------------------------------------------------------------------
     async def send_metadata(

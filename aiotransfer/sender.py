@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._room import RoomSide
 from .errors import InvalidArgument, TransferFailed, TransferTimeout
 from .plan import as_index_array, check_range
-from .status import KVPoll, PollLatch
+from .status import KVPoll
 
 if TYPE_CHECKING:
     from .control.messages import TransferRequest
@@ -37,7 +38,7 @@ class _Dst:
         return self.request.is_dummy
 
 
-class KVSender:
+class KVSender(RoomSide):
     """Sends one room's KV pages (and aux/state) to the decode rank(s) that asked for it.
 
     Created by :meth:`KVManager.sender`. Status: Bootstrapping -> WaitingForInput (all decode ranks
@@ -46,8 +47,8 @@ class KVSender:
     """
 
     def __init__(self, manager: KVManager, room: int) -> None:
+        super().__init__(room)
         self._m = manager
-        self.room = room
         self._dsts: dict[str, _Dst] = {}
         self._required: int | None = None
         self._num_dst_pages: int | None = None
@@ -55,12 +56,7 @@ class KVSender:
         self._last_reserved = False
         self._chunks_in_flight = 0
         self._chunk_finished = asyncio.Event()
-        self._changed = asyncio.Event()
-        self._latch = PollLatch()
         self._failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._status = KVPoll.Bootstrapping
-        self._reason: str | None = None
-        self._created = time.monotonic()
         self._kv_done = False
         self._aux_sent = False
         self._state_sent = False
@@ -76,23 +72,21 @@ class KVSender:
         )
 
     # -- status ---------------------------------------------------------------------------------
-    def poll(self) -> KVPoll:
-        """Current status; the first terminal status is latched and returned forever after."""
-        return self._latch.observe(self._status)
-
-    @property
-    def failure_reason(self) -> str | None:
-        """Why the room failed (also sent to decode), or None."""
-        return self._reason
-
     def _set_status(self, status: KVPoll, reason: str | None = None) -> None:
-        """Called by the manager's status table whenever this room's status changes."""
-        self._status = status
-        if status is KVPoll.Failed and self._reason is None:
-            self._reason = reason or "failed"
-            if not self._failed.done():
-                self._failed.set_result(None)
-        self._changed.set()
+        super()._set_status(status, reason)
+        if status is KVPoll.Failed and not self._failed.done():
+            self._failed.set_result(None)
+
+    async def _run_or_fail(self, aw: Any) -> Any:
+        """Await ``aw`` under :meth:`_guard`; any error fails the room on both sides, then propagates."""
+        try:
+            return await self._guard(aw)
+        except TransferFailed as exc:
+            await asyncio.shield(self._fail(exc.reason))
+            raise
+        except BaseException as exc:
+            await self._fail_from(exc)
+            raise
 
     async def _guard(self, coro: Any) -> Any:
         """Run ``coro`` but return as soon as the room fails elsewhere (peer declared dead, abort...).
@@ -245,16 +239,10 @@ class KVSender:
         self._chunks_in_flight += 1
         t0 = time.monotonic()
         try:
-            await self._guard(self._run_chunk(src, start, t))
+            await self._run_or_fail(self._run_chunk(src, start, t))
             m.metrics.observe("send_kv", time.monotonic() - t0)
             if last:
-                await self._guard(self._finish(t))
-        except TransferFailed as exc:
-            await asyncio.shield(self._fail(exc.reason))
-            raise
-        except BaseException as exc:
-            await self._fail_from(exc)
-            raise
+                await self._run_or_fail(self._finish(t))
         finally:
             self._chunks_in_flight -= 1
             self._chunk_finished.set()
@@ -331,17 +319,10 @@ class KVSender:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + t
         m._tx_update(self.room, KVPoll.Transferring)
-        try:
-            dsts = [d for d in self._real_dsts() if d.request.aux_index >= 0]
-            paths = await self._guard(asyncio.gather(*(
-                m._send_aux(d.peer, self.room, int(aux_index), d.request.aux_index, t) for d in dsts
-            )))
-        except TransferFailed as exc:
-            await asyncio.shield(self._fail(exc.reason))
-            raise
-        except BaseException as exc:
-            await self._fail_from(exc)
-            raise
+        dsts = [d for d in self._real_dsts() if d.request.aux_index >= 0]
+        paths = await self._run_or_fail(asyncio.gather(*(
+            m._send_aux(d.peer, self.room, int(aux_index), d.request.aux_index, t) for d in dsts
+        )))
         self.aux_path = paths[0] if paths else None
         self._aux_sent = True
         await self._maybe_conclude(deadline)
@@ -377,18 +358,11 @@ class KVSender:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + t
         m._tx_update(self.room, KVPoll.Transferring)
-        try:
-            await self._guard(asyncio.gather(*(
-                m._write_state(d.peer, kind, np.asarray(idx, dtype=np.int64),
-                               np.asarray(d.request.state_indices[kind], dtype=np.int64), timeout=t, room=self.room)
-                for d in self._real_dsts() for kind, idx in local.items()
-            )))
-        except TransferFailed as exc:
-            await self._fail(exc.reason)
-            raise
-        except BaseException as exc:
-            await self._fail_from(exc)
-            raise
+        await self._run_or_fail(asyncio.gather(*(
+            m._write_state(d.peer, kind, np.asarray(idx, dtype=np.int64),
+                           np.asarray(d.request.state_indices[kind], dtype=np.int64), timeout=t, room=self.room)
+            for d in self._real_dsts() for kind, idx in local.items()
+        )))
         self._state_sent = True
         await self._maybe_conclude(deadline)
 

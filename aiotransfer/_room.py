@@ -1,0 +1,38 @@
+"""What a sender and a receiver share: one room's status as seen from one side."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from .status import KVPoll, PollLatch
+
+__all__ = ["RoomSide"]
+
+
+class RoomSide:
+    """Status, latch, failure reason and change notification of one room on one side."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self._latch = PollLatch()
+        self._status = KVPoll.Bootstrapping
+        self._reason: str | None = None
+        self._created = time.monotonic()
+        self._changed = asyncio.Event()
+
+    def poll(self) -> KVPoll:
+        """Current status; the first terminal status is latched and returned forever after."""
+        return self._latch.observe(self._status)
+
+    @property
+    def failure_reason(self) -> str | None:
+        """Why the room failed (the same reason the other side receives), or None."""
+        return self._reason
+
+    def _set_status(self, status: KVPoll, reason: str | None = None) -> None:
+        """Called by the manager's status table whenever this room's status changes."""
+        self._status = status
+        if status is KVPoll.Failed and self._reason is None:
+            self._reason = reason or "failed"
+        self._changed.set()

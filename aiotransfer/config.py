@@ -110,6 +110,14 @@ class TransferConfig:
     staging_bytes: int = 64 * 1024 * 1024
     """Size of this manager's staging arena (host memory, registered); 0 disables staging."""
 
+    wire: str = "native"
+    """Control-plane protocol: ``native`` (ours) or ``sglang-mooncake`` (talk to unmodified SGLang 0.5.x
+    prefill/decode processes over their Mooncake backend; see docs/sglang.md)."""
+    sglang_bootstrap_port: int = 0
+    """``sglang-mooncake`` prefill leader: serve SGLang's bootstrap HTTP API on this port."""
+    sglang_kv_cache_dtype: str = "auto"
+    """``sglang-mooncake``: the ``kv_cache_dtype`` string both sides compare (SGLang's server argument)."""
+
     hmac_key: bytes | None = None
     """Shared secret: when set, every control message is signed and verified."""
 
@@ -140,6 +148,15 @@ class TransferConfig:
             object.__setattr__(self, "max_batch_entries", self.max_entries_in_flight)
         if self.engine_timeout_s is not None and self.engine_timeout_s < 5:
             raise ConfigError("engine_timeout_s must be >= 5 (Mooncake's minimum) or None")
+        if self.wire not in ("native", "sglang-mooncake"):
+            raise ConfigError(f"wire must be 'native' or 'sglang-mooncake', got {self.wire!r}")
+        if self.wire == "sglang-mooncake":
+            if not self.engine.startswith("mooncake"):
+                raise ConfigError("the sglang-mooncake wire profile needs a Mooncake engine")
+            if self.hmac_key is not None:
+                raise ConfigError("the sglang-mooncake wire profile cannot sign messages (SGLang has no HMAC)")
+            if self.checksum:
+                raise ConfigError("the sglang-mooncake wire profile cannot carry checksums")
         if self.staging not in ("auto", "always", "never"):
             raise ConfigError(f"staging must be auto, always or never, got {self.staging!r}")
         if self.staging_bytes < 0:

@@ -11,7 +11,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -256,14 +256,7 @@ class KVManager:
                 interval_max=cfg.poll_interval_max,
                 inline_submit_max=1 if getattr(self._engine, "cheap_submit", False) else 0,
             )
-            self._control = ControlPlane(
-                cfg.hostname,
-                cfg.control_port,
-                self._dispatch,
-                max_sockets=cfg.max_sockets,
-                max_message_bytes=cfg.max_message_bytes,
-                hmac_key=cfg.hmac_key,
-            )
+            self._control = self._make_control_plane()
             await self._control.start()
             self._ranks[self._rank_key()] = self._control.endpoint
             self._liveness.start()
@@ -277,6 +270,25 @@ class KVManager:
         self._started = True
         log.info("manager up: control=%s engine=%s", self.endpoint, self.describe().get("engine"))
         return self
+
+    def _make_control_plane(self) -> ControlPlane:
+        cfg, a = self.config, self.args
+        if cfg.wire == "sglang-mooncake":
+            from .control.sglang import SglangControlPlane, SglangIdentity
+
+            identity = SglangIdentity(
+                host=cfg.hostname, tp_size=a.tp_size, tp_rank=a.tp_rank, pp_size=a.pp_size, pp_rank=a.pp_rank,
+                cp_size=a.cp_size, cp_rank=a.cp_rank, dp_rank=a.dp_rank, dp_size=cfg.dp_size, page_size=a.page_size,
+                kv_cache_dtype=cfg.sglang_kv_cache_dtype, is_mla=a.is_mla, kv_heads=a.kv_heads,
+                total_kv_heads=a.total_kv_heads, aux_item_lens=tuple(b.item_len for b in a.aux),
+                compat=self._compat, layout=a.layout, engine=cfg.engine.replace("mooncake_tcp", "mooncake"),
+                bootstrap_port=cfg.sglang_bootstrap_port,
+            )
+            plane = SglangControlPlane(identity, cfg.control_port, self._dispatch, max_sockets=cfg.max_sockets,
+                                       max_message_bytes=cfg.max_message_bytes)
+            return cast(ControlPlane, plane)  # duck-typed: the same interface as ControlPlane
+        return ControlPlane(cfg.hostname, cfg.control_port, self._dispatch, max_sockets=cfg.max_sockets,
+                            max_message_bytes=cfg.max_message_bytes, hmac_key=cfg.hmac_key)
 
     async def __aenter__(self) -> KVManager:
         return await self.start()
@@ -1129,6 +1141,8 @@ class KVManager:
             if topo.redirect:
                 target = topo.redirect
                 continue
+            if topo.reason.startswith("refused:"):
+                raise IncompatiblePeer(f"{peer}: {topo.reason[len('refused:'):].strip()}")
             if topo.ready:
                 endpoints = {(r.dp_rank, r.tp_rank, r.pp_rank, r.cp_rank): r.endpoint for r in topo.ranks}
                 resolved = _PrefillTopology(topo, endpoints)
@@ -1177,7 +1191,16 @@ class KVManager:
             self._on_status(msg)
         elif isinstance(msg, Hello):
             if msg.endpoint not in self._hello_inflight:
-                self._spawn(self._on_hello(msg), f"hello-{msg.endpoint}")
+                task = asyncio.get_running_loop().create_task(self._on_hello(msg), name=f"hello-{msg.endpoint}")
+                self._tasks.add(task)
+                self._hello_inflight[msg.endpoint] = task
+
+                def _done(t: asyncio.Task[None], ep: str = msg.endpoint) -> None:
+                    self._tasks.discard(t)
+                    if self._hello_inflight.get(ep) is t:
+                        del self._hello_inflight[ep]
+
+                task.add_done_callback(_done)
         elif isinstance(msg, HelloAck):
             fut = self._hello_waiters.get(msg.generation)
             self._on_hello_ack(msg, fut)
@@ -1242,57 +1265,53 @@ class KVManager:
 
     async def _on_hello(self, hello: Hello) -> None:
         assert self._control is not None
-        self._hello_inflight[hello.endpoint] = asyncio.current_task()  # type: ignore[assignment]
-        try:
-            verdict = self._refusal(hello)
-            reason = verdict if isinstance(verdict, str) else None
-            if reason is None:
-                try:
-                    await self._offload.run(
-                        self.engine.connect, hello.session_id, hello.engine_info, hello.probe_addr,
-                        timeout=self.config.handshake_timeout, what=f"engine handshake with {hello.session_id}",
-                    )
-                except (EngineError, TransferTimeout) as exc:
-                    reason = f"our engine cannot reach yours ({hello.session_id}): {exc}"
-            if reason is None:
-                kv_bases = np.array([b.ptr for b in hello.kv], dtype=np.uint64)
-                item_lens = np.array([b.item_len for b in hello.kv], dtype=np.uint64)
-                num_pages = min((b.nbytes // b.item_len for b in hello.kv), default=0)
-                aux_slots = min((b.nbytes // b.item_len for b in hello.aux), default=0)
-                aux_bases = np.array([b.ptr for b in hello.aux], dtype=np.uint64)
-                state = {
-                    s.kind: (
-                        np.array([b.ptr for b in s.buffers], dtype=np.uint64),
-                        min((b.nbytes // b.item_len for b in s.buffers), default=0),
-                    )
-                    for s in hello.state
-                }
-                old = self._decode_peers.get(hello.endpoint)
-                if old is not None and old.hello.generation != hello.generation:
-                    self.counters["decode_peer_reregistered"] += 1
-                    self._fail_rooms_with(hello.endpoint, f"decode {hello.endpoint} registered again (restarted?)")
-                assert isinstance(verdict, KVPairing)
-                self._decode_peers[hello.endpoint] = _DecodePeer(
-                    hello.endpoint, hello, kv_bases, item_lens, num_pages, aux_slots, aux_bases, state,
-                    verdict, kv_bases[verdict.dst], item_lens[verdict.dst], hello.staging,
+        verdict = self._refusal(hello)
+        reason = verdict if isinstance(verdict, str) else None
+        if reason is None:
+            try:
+                await self._offload.run(
+                    self.engine.connect, hello.session_id, hello.engine_info, hello.probe_addr,
+                    timeout=self.config.handshake_timeout, what=f"engine handshake with {hello.session_id}",
                 )
-            else:
-                self.counters["peers_refused"] += 1
-                log.warning("refusing decode peer %s: %s", hello.endpoint, reason)
-            ack = HelloAck(
-                version=PROTOCOL_VERSION,
-                endpoint=self.endpoint,
-                generation=hello.generation,
-                accepted=reason is None,
-                reason=reason or "",
-                engine=self.config.engine,
-                session_id=self.engine.session_id,
-                rank=self._rank_id(),
+            except (EngineError, TransferTimeout) as exc:
+                reason = f"our engine cannot reach yours ({hello.session_id}): {exc}"
+        if reason is None:
+            kv_bases = np.array([b.ptr for b in hello.kv], dtype=np.uint64)
+            item_lens = np.array([b.item_len for b in hello.kv], dtype=np.uint64)
+            num_pages = min((b.nbytes // b.item_len for b in hello.kv), default=0)
+            aux_slots = min((b.nbytes // b.item_len for b in hello.aux), default=0)
+            aux_bases = np.array([b.ptr for b in hello.aux], dtype=np.uint64)
+            state = {
+                s.kind: (
+                    np.array([b.ptr for b in s.buffers], dtype=np.uint64),
+                    min((b.nbytes // b.item_len for b in s.buffers), default=0),
+                )
+                for s in hello.state
+            }
+            old = self._decode_peers.get(hello.endpoint)
+            if old is not None and old.hello.generation != hello.generation:
+                self.counters["decode_peer_reregistered"] += 1
+                self._fail_rooms_with(hello.endpoint, f"decode {hello.endpoint} registered again (restarted?)")
+            assert isinstance(verdict, KVPairing)
+            self._decode_peers[hello.endpoint] = _DecodePeer(
+                hello.endpoint, hello, kv_bases, item_lens, num_pages, aux_slots, aux_bases, state,
+                verdict, kv_bases[verdict.dst], item_lens[verdict.dst], hello.staging,
             )
-            with contextlib.suppress(AiotransferError):
-                await self._control.send(hello.endpoint, ack, timeout=self.config.handshake_timeout)
-        finally:
-            self._hello_inflight.pop(hello.endpoint, None)
+        else:
+            self.counters["peers_refused"] += 1
+            log.warning("refusing decode peer %s: %s", hello.endpoint, reason)
+        ack = HelloAck(
+            version=PROTOCOL_VERSION,
+            endpoint=self.endpoint,
+            generation=hello.generation,
+            accepted=reason is None,
+            reason=reason or "",
+            engine=self.config.engine,
+            session_id=self.engine.session_id,
+            rank=self._rank_id(),
+        )
+        with contextlib.suppress(AiotransferError):
+            await self._control.send(hello.endpoint, ack, timeout=self.config.handshake_timeout)
 
     def _on_hello_ack(self, ack: HelloAck, fut: asyncio.Future[HelloAck] | None) -> None:
         if fut is None or fut.done():
@@ -1302,6 +1321,11 @@ class KVManager:
 
     def _on_request(self, req: TransferRequest) -> None:
         peer = self._decode_peers.get(req.endpoint)
+        pending_hello = self._hello_inflight.get(req.endpoint)
+        if peer is None and pending_hello is not None:
+            # Its registration is still being checked (engine handshake): handle the request right after.
+            self._spawn(self._after_hello(pending_hello, req), "request-after-hello")
+            return
         if peer is None:
             self._drop("unregistered-peer", f"request for room {req.room} from {req.endpoint}")
             self._spawn(
@@ -1353,6 +1377,11 @@ class KVManager:
             if StateType.slot_based(kind) and len(idx) != 1:
                 raise InvalidArgument(f"{kind} state takes exactly one slot per request, got {len(idx)}")
 
+    async def _after_hello(self, hello_task: asyncio.Task[None], req: TransferRequest) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.shield(hello_task)
+        self._on_request(req)
+
     def _accept_request(self, tx: KVSender, peer: _DecodePeer, req: TransferRequest, idx: np.ndarray) -> None:
         self._liveness.activate(req.endpoint)
         reason = tx._add_request(peer, req, idx)
@@ -1379,6 +1408,10 @@ class KVManager:
         if rx is None:
             self._drop("unknown-room", f"status for room {msg.room}")
             return
+        if not msg.endpoint and self.config.wire == "sglang-mooncake":
+            # SGLang status frames name the prefill rank, not its endpoint
+            endpoint = next((ep for ep, rank in rx._targets.items() if rank == msg.rank), "")
+            msg = Status(room=msg.room, status=msg.status, rank=msg.rank, endpoint=endpoint, reason=msg.reason)
         if msg.status == int(KVPoll.Success) and msg.checksum >= 0 and msg.endpoint in rx._targets:
             self._spawn(self._verified_status(rx, msg), "verify")
             return
@@ -1418,7 +1451,8 @@ class KVManager:
         if rx is None:
             self._drop("unknown-room", f"aux for room {msg.room}")
             return
-        if msg.endpoint not in rx._targets:
+        sglang_aux = not msg.endpoint and self.config.wire == "sglang-mooncake" and bool(rx._targets)
+        if msg.endpoint not in rx._targets and not sglang_aux:
             self._drop("wrong-peer", f"aux for room {msg.room} from {msg.endpoint}")
             return
         if rx.aux_index is None or msg.index != rx.aux_index or msg.buffer >= len(self.args.aux):

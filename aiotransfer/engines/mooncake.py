@@ -554,16 +554,18 @@ class MooncakeEngine:
     # -- transfers -----------------------------------------------------------------------------
     def connect(self, peer: str, peer_info: bytes, probe_addr: int) -> None:
         """Blocking first contact: a liveness probe, then a 1-byte write into the peer's probe region,
-        which performs the engine handshake now (bounded by the caller) instead of on the first transfer."""
+        which performs the engine handshake now (bounded by the caller) instead of on the first transfer.
+        Peers that publish no probe region (``probe_addr == 0``: SGLang decodes) only get the probe."""
         s = self._shared
         probe = getattr(s.native, "send_probe", None)
         if probe is not None:
             rc = probe(peer)
             if rc != 0:
                 raise EngineError(f"Mooncake peer {peer} is unreachable (send_probe returned {rc})", code=rc)
-        rc = s.native.transfer_sync_write(peer, self.probe_region.ptr, probe_addr, 1)
-        if rc != 0:
-            raise EngineError(f"Mooncake handshake write to {peer} failed with {rc}", code=rc)
+        if probe_addr > 0:
+            rc = s.native.transfer_sync_write(peer, self.probe_region.ptr, probe_addr, 1)
+            if rc != 0:
+                raise EngineError(f"Mooncake handshake write to {peer} failed with {rc}", code=rc)
         s.connected.add(peer)
 
     def forget_peer(self, peer: str) -> None:

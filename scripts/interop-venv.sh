@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# Build the SGLang interop environment: .interop-venv, a Python that can import SGLang 0.5.23 (CPU torch,
+# Mooncake over TCP) *and* aiotransfer, so tests/interop/ can run unmodified SGLang classes beside ours.
+#
+# Two layers, so a machine builds the heavy part once even though CI works in a fresh clone every run:
+#   1. the SGLang base venv (~2 GB: torch CPU, sglang, transformers, mooncake, ...), built once per machine
+#      and recipe in $AIOTRANSFER_INTEROP_CACHE (default ${XDG_CACHE_HOME:-~/.cache}/aiotransfer), named
+#      after a hash of the recipe below; valid while its stamp holds that hash and its key imports work;
+#   2. .interop-venv in this checkout: a small venv (no pip of its own) whose site-packages holds a .pth
+#      that adds the base venv's site-packages, plus this checkout's aiotransfer installed editable.
+#      Rebuilt in seconds when missing, stale (other base or other checkout) or broken.
+#
+# Usage: scripts/interop-venv.sh [--rebuild]     (--rebuild: rebuild both layers from scratch)
+# Prints the path of .interop-venv/bin/python on stdout; everything else goes to stderr.
+# Non-interactive (no stdin needed); as root it installs the Debian libraries Mooncake needs.
+# torch comes from the CPU wheel on local disk (pip config find-links /opt/wheels): the plain PyPI
+# `torch==2.13.0` is a multi-GB CUDA build, so this script refuses to install anything but `+cpu`.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+ROOT="$(pwd -P)"
+
+say() { printf '[interop-venv] %s\n' "$*" >&2; }
+die() { printf '[interop-venv] ERROR: %s\n' "$*" >&2; exit 1; }
+
+REBUILD=0
+for arg in "$@"; do
+    case "$arg" in
+        --rebuild) REBUILD=1 ;;
+        -h | --help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 0 ;;
+        *) die "unknown argument: $arg" ;;
+    esac
+done
+
+# --- the recipe (verified on a CPU-only machine; see docs/sglang-wire.md) -----------------------------
+PYTHON="${PYTHON:-python3}"
+STEP1=("torch==2.13.0+cpu" "mooncake-transfer-engine-non-cuda==0.3.13.post1" numpy pyzmq aiohttp requests)
+STEP2=("sglang==0.5.23" "triton==3.6.0" "compressed-tensors==0.18.0") # --no-deps
+STEP3=(orjson psutil pybase64 packaging pillow starlette python-multipart msgspec pydantic tqdm
+       prometheus_client dill loguru gguf "sentencepiece==0.2.1" "apache-tvm-ffi==0.1.11"
+       "transformers==5.19.0" anyio)
+# Quick validity check of the base venv (under a second: sglang itself is only located, not imported).
+CHECK='import torch, mooncake.engine, zmq, aiohttp, msgspec, anyio, numpy, importlib.util as u
+import importlib.metadata as md
+assert torch.__version__.endswith("+cpu"), torch.__version__
+assert u.find_spec("sglang") is not None and md.version("sglang") == "0.5.23", "sglang 0.5.23 missing"'
+# Full check after a build: SGLang's Mooncake disaggregation module imports (with our stubs, ~7 s).
+FULL_CHECK='import sglang.srt.disaggregation.mooncake.conn, sglang.srt.server_args'
+STUBS="$ROOT/tests/interop/stubs"
+
+command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found (set PYTHON=...)"
+PYVER="$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+RECIPE_ID="$(printf '%s\n' "$PYVER" "${STEP1[*]}" "${STEP2[*]}" "${STEP3[*]}" | sha256sum | cut -c1-12)"
+CACHE="${AIOTRANSFER_INTEROP_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/aiotransfer}"
+BASE="$CACHE/sglang-0.5.23-py$PYVER-$RECIPE_ID"
+BASE_STAMP="$BASE/.interop-base-stamp"
+VENV="$ROOT/.interop-venv"
+STAMP="$VENV/.interop-stamp"
+
+pip_q() { # pip, quiet, minus the warnings about extra-index-url folders that don't exist here
+    # and minus the resolver's list of SGLang requirements that step 2 leaves out on purpose (--no-deps).
+    "$@" 2> >(grep -v -e 'is ignored: it is neither a file nor a directory' \
+                      -e 'dependency resolver does not currently take into account' \
+                      -e '^sglang [0-9.]* requires ' >&2)
+}
+
+# --- Debian libraries for mooncake's engine.so (same check as scripts/setup.sh) ------------------------
+LDCONFIG="$(command -v ldconfig || echo /sbin/ldconfig)"
+ld_cache="$("$LDCONFIG" -p 2>/dev/null || true)"
+missing=()
+for pair in libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1 libcurl.so.4:libcurl4; do
+    lib="${pair%%:*}" pkg="${pair##*:}"
+    grep -qF "$lib " <<<"$ld_cache" || missing+=("$pkg")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+    [ "$(id -u)" -eq 0 ] || die "missing Debian packages: ${missing[*]} (sudo apt-get install -y ${missing[*]})"
+    say "installing Debian packages: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq && apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# --- 1. the SGLang base venv (once per machine and recipe) ---------------------------------------------
+base_valid() {
+    [ -f "$BASE_STAMP" ] && [ "$(head -n1 "$BASE_STAMP")" = "$RECIPE_ID" ] \
+        && "$BASE/bin/python" -c "$CHECK" >/dev/null 2>&1
+}
+
+if [ "$REBUILD" -eq 1 ] || ! base_valid; then
+    t0=$(date +%s)
+    say "building the SGLang base venv in $BASE (takes a few minutes; about 2 GB)"
+    rm -rf "$BASE"
+    mkdir -p "$CACHE"
+    "$PYTHON" -m venv --clear "$BASE"
+    BPIP=("$BASE/bin/python" -m pip install -q --disable-pip-version-check --no-input)
+    pip_q "${BPIP[@]}" --upgrade pip
+    # torch: only the CPU wheel. It lies in /opt/wheels here (pip's find-links); add it explicitly too, in
+    # case the environment's pip settings were dropped.
+    links=()
+    [ -d /opt/wheels ] && links=(--find-links /opt/wheels)
+    say "step 1/4: ${STEP1[*]}"
+    pip_q "${BPIP[@]}" "${links[@]}" "${STEP1[@]}" \
+        || die "step 1 failed (torch==2.13.0+cpu must come from a local CPU wheel, e.g. /opt/wheels)"
+    say "step 2/4: --no-deps ${STEP2[*]}"
+    pip_q "${BPIP[@]}" --no-deps "${STEP2[@]}"
+    say "step 3/4: SGLang's runtime dependencies"
+    pip_q "${BPIP[@]}" "${links[@]}" "${STEP3[@]}"
+    # Guard: nothing above may have swapped torch for a CUDA build or pulled nvidia-* wheels.
+    if "$BASE/bin/python" -m pip list 2>/dev/null | grep -qi '^nvidia-'; then
+        die "a CUDA dependency (nvidia-*) got into $BASE; refusing to go on"
+    fi
+    err="$("$BASE/bin/python" -c "$CHECK" 2>&1 && PYTHONPATH="$STUBS" "$BASE/bin/python" -W ignore -c "$FULL_CHECK" 2>&1)" \
+        || { printf '%s\n' "$err" | tail -n 8 >&2; die "base venv check failed"; }
+    "$BASE/bin/python" -m pip freeze 2>/dev/null >"$BASE/.interop-freeze.txt" || true
+    t1=$(date +%s)
+    printf '%s\nbuilt %s in %ss\n' "$RECIPE_ID" "$(date -u +%FT%TZ)" "$((t1 - t0))" >"$BASE_STAMP"
+    say "step 4/4 done: base venv built in $((t1 - t0)) s, $(du -sh "$BASE" | cut -f1)"
+fi
+BASE_SITE="$("$BASE/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+
+# --- 2. .interop-venv in this checkout -----------------------------------------------------------------
+venv_valid() {
+    [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$BASE $ROOT" ] && [ "$STAMP" -nt pyproject.toml ] \
+        && [ "$("$VENV/bin/python" -c 'import os, aiotransfer, importlib.util as u; assert u.find_spec("sglang"); print(os.path.dirname(os.path.dirname(os.path.realpath(aiotransfer.__file__))))' 2>/dev/null)" = "$ROOT" ]
+}
+
+if [ "$REBUILD" -eq 1 ] || ! venv_valid; then
+    say "creating $VENV on top of $BASE"
+    rm -rf "$VENV"
+    "$BASE/bin/python" -m venv --without-pip "$VENV"
+    VSITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    # addsitedir (not a bare path line) so the base's own .pth files (editable installs etc.) run too.
+    printf 'import site; site.addsitedir(%s)\n' "'$BASE_SITE'" >"$VSITE/_interop_base.pth"
+    # This checkout's aiotransfer, editable; its runtime deps (numpy, pyzmq, anyio, msgspec) are in the base.
+    pip_q "$BASE/bin/python" -m pip --python "$VENV/bin/python" install -q --disable-pip-version-check \
+        --no-input --no-deps -e "$ROOT"
+    printf '%s %s\n' "$BASE" "$ROOT" >"$STAMP"
+    venv_valid || die "$VENV does not import aiotransfer from $ROOT and sglang from $BASE"
+fi
+
+echo "$VENV/bin/python"

@@ -27,6 +27,7 @@ demo: setup
 	$(PYTHON) -m aiotransfer demo
 
 test: setup
+	@bash scripts/interop-venv.sh >/dev/null  # SGLang 0.5.23 for the interop tests (cached per machine)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/mkdocs build --strict --quiet
@@ -53,6 +54,7 @@ bench: setup
 	$(PYTHON) -m aiotransfer bench
 
 interop: setup
+	@bash scripts/interop-venv.sh
 	$(BIN)/pytest -q -m interop
 
 clean:

@@ -372,8 +372,8 @@ async def test_latency_throughput_against_sglang_pair(capsys: pytest.CaptureFixt
         await prefill.close()
     results["geometry"] = {**g, "room_bytes": room_bytes}
     os.makedirs(os.path.join(ROOT, "bench-results"), exist_ok=True)
-    with open(os.path.join(ROOT, "bench-results", "interop-profile.json"), "w") as f:
-        json.dump(results, f, indent=2)
+    out = os.path.join(ROOT, "bench-results", "interop-profile.json")
+    await asyncio.to_thread(lambda: open(out, "w").write(json.dumps(results, indent=2)))
     with capsys.disabled():
         print(f"\n[interop] SGLang {SGLANG_VERSION} prefill, {room_bytes / 2**20:.0f} MiB rooms, Mooncake TCP loopback")
         for pair in ("sglang->sglang", "sglang->aiotransfer"):

@@ -105,7 +105,8 @@ async def test_sglang_prefill_feeds_aiotransfer_decode(sglang_prefill: SGLangRem
     rng = random.Random(3)
     specs = [(5, 2), (12, None), (1, None), (20, 7)]
     src_pool, dst_pool = rng.sample(range(SMALL["pages"]), 40), rng.sample(range(SMALL["pages"]), 40)
-    rooms, at = [], 0
+    rooms: list[dict[str, Any]] = []
+    at = 0
     for i, (n, chunk) in enumerate(specs):
         rooms.append({"room": ROOM_BASE + 10 + i, "src": src_pool[at:at + n], "dst": dst_pool[at:at + n],
                       "chunk": chunk, "src_aux": i, "dst_aux": 8 + i})
@@ -145,7 +146,7 @@ async def test_aiotransfer_prefill_feeds_sglang_decode(aux_path: str) -> None:
             bootstrap = f"127.0.0.1:{port}"
             rng = random.Random(4)
             src_pool, dst_pool = rng.sample(range(SMALL["pages"]), 30), rng.sample(range(SMALL["pages"]), 30)
-            rooms = [{"room": ROOM_BASE + 40 + i, "src": src_pool[i * 10:(i + 1) * 10],
+            rooms: list[dict[str, Any]] = [{"room": ROOM_BASE + 40 + i, "src": src_pool[i * 10:(i + 1) * 10],
                       "dst": dst_pool[i * 10:(i + 1) * 10], "src_aux": i, "dst_aux": 5 + i} for i in range(3)]
             senders = {r["room"]: pre.sender(r["room"]) for r in rooms}
             reply = await decode.call("receivers", bootstrap_addr=bootstrap, rooms=[r["room"] for r in rooms])

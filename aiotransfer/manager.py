@@ -1396,8 +1396,13 @@ class KVManager:
             first_room, first = next(iter(self._pending.items()))
             if now - first.since <= ttl and len(self._pending) < self.config.max_rooms:
                 break
-            self._pending.pop(first_room)
+            expired = self._pending.pop(first_room)
             self.counters["pending_expired"] += 1
+            # nothing is dropped silently: the decode ranks learn why their request went nowhere
+            self._spawn(self._notify_failure(
+                first_room, [p.endpoint for p, _, _ in expired.items],
+                "transfer request expired before the prefill created the room",
+            ), "expire")
         entry = self._pending.get(room)
         if entry is None:
             entry = self._pending[room] = _Pending(now)

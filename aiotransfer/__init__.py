@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from .args import Buffer as Buffer
 from .args import KVArgs as KVArgs
+from .aux import MemPool as MemPool
+from .aux import StateType as StateType
+from .aux import alloc_metadata_buffer as alloc_metadata_buffer
 from .config import AuxPath as AuxPath
 from .config import TransferConfig as TransferConfig
 from .errors import AiotransferError as AiotransferError
@@ -21,6 +24,7 @@ from .errors import ProtocolError as ProtocolError
 from .errors import TransferFailed as TransferFailed
 from .errors import TransferTimeout as TransferTimeout
 from .manager import KVManager as KVManager
+from .metrics import PrometheusExporter as PrometheusExporter
 from .receiver import KVReceiver as KVReceiver
 from .sender import KVSender as KVSender
 from .status import KVPoll as KVPoll
@@ -35,6 +39,12 @@ __all__ = [
     "KVReceiver",
     "KVSender",
     "Buffer",
+    # aux and state
+    "StateType",
+    "MemPool",
+    "alloc_metadata_buffer",
+    # observability
+    "PrometheusExporter",
     # configuration
     "AuxPath",
     "TransferConfig",

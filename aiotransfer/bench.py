@@ -1,5 +1,8 @@
 """``python -m aiotransfer bench``: raw Mooncake against aiotransfer, same engine, same buffers, same run.
 
+``--suite full`` runs the performance suite instead (:mod:`aiotransfer._benchsuite`: every engine, JSON
+and PNG plots, a table of targets); what follows describes the default suite (issue 2's figures).
+
 The CLI process is the prefill; it spawns the decode as ``python -m aiotransfer.bench --role decode`` and
 drives it with JSON lines. For each figure both sides build a :class:`~aiotransfer.KVManager` over the
 figure's buffers; the *raw* numbers call the prefill manager's own native engine (``mgr.engine.raw()``,
@@ -587,10 +590,15 @@ def _table(res: dict[str, Any]) -> str:
 # arguments / entry points
 # ----------------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--suite", choices=("default", "full"), default="default",
+                   help="default: figures (a)-(c) of raw Mooncake vs aiotransfer; full: the performance suite "
+                        "(throughput vs size, scattered, loop-lag CDF, concurrency, 4 KiB latency, send_aux by "
+                        "path, TP 4->2, engines), JSON + PNG plots")
     p.add_argument("--engine", default="mooncake_tcp", help="Mooncake flavour (default mooncake_tcp)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--repeats", type=int, default=None, help="timed repetitions per figure (default 5; 2 with --quick)")
-    p.add_argument("--quick", action="store_true", help="CI mode: 2 repeats, 1 request in (c)")
+    p.add_argument("--quick", action="store_true",
+                   help="CI mode: 2 repeats, 1 request in (c); with --suite full: smaller sizes and counts (~30 s)")
     p.add_argument("--figures", default="a,b,c", help="which figures to run (default a,b,c)")
     p.add_argument("--size-mib", type=int, default=256, help="(a) contiguous size in MiB (default 256)")
     p.add_argument("--pages", type=int, default=10_000, help="(b) number of 4 KiB pages (default 10000)")
@@ -599,13 +607,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--staging", choices=("auto", "always", "never"), default="auto",
                    help="aiotransfer's gather/scatter staging (TransferConfig.staging; default auto)")
-    p.add_argument("--out", default="bench-results/bench.json", help="JSON results (default bench-results/bench.json)")
+    p.add_argument("--out", default=None,
+                   help="JSON results (default bench-results/bench.json; bench-results/full.json with --suite full)")
+    full = p.add_argument_group("--suite full")
+    full.add_argument("--engines", default=None,
+                      help="engine configurations, comma-separated (default mooncake_tcp,nixl_shm,nixl_tcp; each "
+                           "runs in its own pair of processes)")
+    full.add_argument("--phases", default=None,
+                      help="subset of ceilings,throughput,scattered,lag,concurrency,e2e,aux,tp (default all)")
+    full.add_argument("--img-dir", default="docs/img", help="where the PNG plots go (default docs/img; '' for none)")
+    full.add_argument("--replot", metavar="JSON", default=None,
+                      help="re-derive the table and plots from a saved --suite full JSON (runs nothing)")
+    full.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: smallest configuration
+    full.add_argument("--tp-library-credits", action="store_true",
+                      help="TP figure: keep the library's default engine credits on each of the 4 prefill managers "
+                           "(they share one Mooncake engine: reproduces Mooncake failing the batches with -1)")
     p.add_argument("--role", choices=("prefill", "decode"), default="prefill", help=argparse.SUPPRESS)
 
 
 def run(ns: argparse.Namespace) -> int:
     """Entry point of ``python -m aiotransfer bench``; returns the exit code."""
+    if getattr(ns, "suite", "default") == "full":
+        from ._benchsuite import run_suite
+
+        ns.repeats_given = ns.repeats
+        return run_suite(ns)
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    if ns.out is None:
+        ns.out = "bench-results/bench.json"
     if ns.repeats is None:
         ns.repeats = 2 if ns.quick else 5
     if ns.c_requests is None:

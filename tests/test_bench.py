@@ -1,0 +1,195 @@
+"""``python -m aiotransfer bench --suite full``: a tiny configuration end to end (JSON keys, PNGs), the
+re-plot path, and the pure pieces (targets, byte patterns) in-process."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aiotransfer import _benchreport as report
+from aiotransfer._benchsuite import ALL_PHASES, ENGINES, aux_pattern, make_params, tp_bad_pages, tp_fill
+from aiotransfer.demo import KVPool
+
+ROOT = Path(__file__).resolve().parent.parent
+PLOTS = {"bench-throughput.png", "bench-scattered.png", "bench-loop-lag.png", "bench-concurrency.png",
+         "bench-latency-4k.png", "bench-aux.png", "bench-tp.png", "bench-engines.png"}
+FIGURES = {"throughput", "scattered", "loop_lag", "concurrency", "latency_4k", "aux", "tp", "engines"}
+
+
+def _nixl() -> bool:
+    return importlib.util.find_spec("nixl_cu12") is not None or importlib.util.find_spec("nixl") is not None
+
+
+def _bench(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env.setdefault("MC_LOG_LEVEL", "ERROR")
+    return subprocess.run([sys.executable, "-m", "aiotransfer", "bench", "--suite", "full", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], str]:
+    d = tmp_path_factory.mktemp("bench")
+    proc = _bench("--tiny", "--out", str(d / "full.json"), "--img-dir", str(d / "img"), timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return d, json.loads((d / "full.json").read_text()), proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_full_suite_tiny_writes_json_and_plots(tiny_run: tuple[Path, dict[str, Any], str]) -> None:
+    d, res, stdout = tiny_run
+    assert {"suite", "params", "machine", "ceilings", "engines", "figures", "targets", "images"} <= set(res)
+    assert res["suite"] == "full" and res["params"]["scale"] == "tiny"
+    expected = {"mooncake_tcp"} | ({"nixl_shm", "nixl_tcp"} if _nixl() else set())
+    assert set(res["engines"]) == expected
+    for key, eng in res["engines"].items():
+        assert set(eng["phases"]) == set(ENGINES[key].phases), key
+        for phase, r in eng["phases"].items():
+            assert "error" not in r, (key, phase, r.get("error"))
+    if _nixl():
+        assert res["engines"]["nixl_tcp"]["ucx_tls"] == "tcp"
+        assert res["engines"]["nixl_shm"]["ucx_tls"] is None
+    c = res["ceilings"]
+    assert c["measured_by"] == "mooncake_tcp"
+    for kind in ("memcpy", "tcp"):
+        assert all(v["gbps"] > 0 for v in c[kind].values())
+    assert c["tcp_rtt_4k"]["p50_us"] > 0
+
+    assert set(res["figures"]) == FIGURES
+    mc = res["engines"]["mooncake_tcp"]["phases"]
+    for point in mc["throughput"]["sizes"].values():
+        assert point["ratio"] > 0 and point["raw_best"] in point["raw"] and point["failed"] == 0
+    sc = mc["scattered"]
+    assert sc["aiotransfer"]["staged_pieces"] >= 1 and sc["raw_pages"]["entries"] == sc["pages"]
+    assert sc["planning"]["staged"] is True and sc["planning"]["plan_kv_us"] > 0
+    lag = mc["lag"]
+    assert lag["aiotransfer"]["samples"] == len(lag["aiotransfer"]["samples_ms"]) > 0
+    assert lag["raw_thread"]["samples"] > 0 and lag["aiotransfer"]["failed"] == 0
+    assert all(v["aiotransfer"]["failed"] == 0 for v in mc["concurrency"]["levels"].values())
+    assert mc["e2e"]["clock"]["consistent"] is True and mc["e2e"]["aiotransfer"]["failed"] == 0
+    assert {"engine", "tcp"} == set(mc["aux"]["paths"])
+    for path, v in mc["aux"]["paths"].items():
+        assert v["paths_used"] == [path] and v["bad_aux_slots"] == 0 and v["failed"] == 0
+    tp = mc["tp"]
+    assert tp["modes"]["never"]["entries"] > tp["modes"]["always"]["entries"] >= 1
+    assert tp["modes"]["always"]["staged_pieces"] >= 1 and tp["modes"]["never"]["staged_pieces"] == 0
+    assert tp["raw_contiguous"]["entries"] == 4 * 2 * tp["geometry"]["layers"]
+
+    statuses = {r["status"] for r in res["targets"]}
+    assert statuses <= {"PASS", "MISS", "INFO", "n/a"}
+    assert {r["figure"] for r in res["targets"]} >= {"1 throughput", "2 scattered", "3 loop lag", "4 concurrency",
+                                                      "5 4 KiB e2e", "6 send_aux", "7 TP 4->2", "8 engines"}
+    img = d / "img"
+    assert {p.name for p in img.iterdir()} == PLOTS
+    for p in img.iterdir():
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
+    assert "status" in stdout and ("PASS" in stdout or "MISS" in stdout)
+
+
+@pytest.mark.timeout(300)
+def test_replot_from_saved_json(tiny_run: tuple[Path, dict[str, Any], str], tmp_path: Path) -> None:
+    d, res, _ = tiny_run
+    proc = _bench("--replot", str(d / "full.json"), "--img-dir", str(tmp_path), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert {p.name for p in tmp_path.iterdir()} == PLOTS
+    assert json.loads((d / "full.json").read_text())["wall_s"] == res["wall_s"]  # not rewritten
+
+
+def test_unknown_engine_or_phase_is_a_usage_error(tmp_path: Path) -> None:
+    for args in (("--engines", "bogus"), ("--phases", "nope")):
+        proc = _bench(*args, "--out", str(tmp_path / "x.json"), "--img-dir", "", timeout=60)
+        assert proc.returncode == 2
+        assert "phases are" in proc.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+# ----------------------------------------------------------------------------------------------------
+# pure pieces
+# ----------------------------------------------------------------------------------------------------
+def _synthetic(ratio: float, speedup: float, p99: float, conc: float, p50: float) -> dict[str, Any]:
+    gb = 64 * 2**20
+    timing = {"median_s": 0.01, "gbps": 1.0, "times_s": [0.01]}
+    sizes = {str(gb): {"bytes": gb, "aiotransfer": {**timing, "gbps": ratio}, "raw": {"s": timing},
+                       "raw_best": "s", "raw_same_call": "s", "ratio": ratio, "ratio_same_call": ratio, "failed": 0}}
+    lagrec = {"p50_ms": 0.1, "p99_ms": p99, "max_ms": 2.0, "samples": 10, "samples_ms": [0.1] * 10, "gbps": 1.0}
+    level = {"aiotransfer": {"gbps": 1.0, "latency": {"p50_us": 1.0, "p99_us": 2.0}, "failed": 0, "seconds": 1},
+             "raw": {"gbps": 1.0, "latency": {"p50_us": 1.0, "p99_us": 2.0}, "seconds": 1}}
+    top = copy.deepcopy(level)
+    top["aiotransfer"]["gbps"] = conc
+    return {"engines": {"mooncake_tcp": {"phases": {
+        "throughput": {"sizes": sizes},
+        "scattered": {"pages": 100, "bytes": 409600, "aiotransfer": {"median_s": 0.01, "entries": 1},
+                      "raw_pages": {"median_s": 0.01 * speedup, "entries": 100, "us_per_entry": 30.0},
+                      "raw_contiguous": {"median_s": 0.006}, "speedup_vs_pages": speedup,
+                      "ratio_vs_contiguous": 0.6, "planning": {"plan_kv_us": 5.0, "staging_plan_us": 1.0}},
+        "lag": {"idle": lagrec, "aiotransfer": lagrec, "raw_thread": lagrec, "requests": 1, "in_flight": 1,
+                "request_bytes": 1},
+        "concurrency": {"request_bytes": 1, "levels": {"1": {"in_flight": 1, "requests": 2, **level},
+                                                       "256": {"in_flight": 256, "requests": 512, **top}}},
+        "e2e": {"aiotransfer": {"e2e": {"p50_us": p50, "p99_us": 2 * p50}, "send_kv": {}, "failed": 0},
+                "raw": {"p50_us": 50.0, "p99_us": 90.0, "n": 10}, "clock": {"consistent": True}},
+    }}}}
+
+
+@pytest.mark.parametrize(("ratio", "speedup", "p99", "conc", "p50", "want"), [
+    (0.96, 8.5, 0.9, 0.95, 390.0, "PASS"),
+    (0.94, 7.5, 1.1, 0.85, 410.0, "MISS"),
+])
+def test_targets_pass_and_miss(ratio: float, speedup: float, p99: float, conc: float, p50: float,
+                               want: str) -> None:
+    res = _synthetic(ratio, speedup, p99, conc, p50)
+    res["figures"] = report.derive(res)
+    rows = {(r["figure"], r["metric"].split(" (")[0].split(":")[-1].strip()): r["status"] for r in report.evaluate(res)}
+    assert rows[("1 throughput", "aiotransfer/raw, >=64 MiB")] == want
+    assert rows[("2 scattered", "speedup vs raw page-by-page")] == want
+    assert rows[("2 scattered", "vs raw contiguous single write")] == "PASS"  # 0.6 is the bound, inclusive
+    assert rows[("3 loop lag", "p99 while saturating")] == want
+    assert rows[("3 loop lag", "max while saturating")] == "PASS"
+    assert rows[("4 concurrency", "256 in flight / 1 in flight")] == want
+    assert rows[("4 concurrency", "failed requests")] == "PASS"
+    assert rows[("5 4 KiB e2e", "p50 send_kv -> done on both sides")] == want
+    text = report.table(res)
+    assert want in text and "status" in text.splitlines()[0]
+    assert "| figure |" in report.markdown_table(res)
+
+
+def test_tp_pattern_is_head_sliced_consistently() -> None:
+    """Prefill ranks 0 and 1 (2 heads each) fill what decode rank 0 (4 heads) checks."""
+    rows, heads, hdim, layers = 4, 8, 16, 2
+    hw = hdim * 2 // 8
+    pages = np.array([3, 0, 5], dtype=np.int64)
+    prefill = [KVPool(2 * layers, 8, (rows, 2, hdim)) for _ in range(2)]
+    decode = KVPool(2 * layers, 8, (rows, 4, hdim))
+    for r, pool in enumerate(prefill):
+        tp_fill(pool, 77, pages, rows, heads, hw, 2 * r, 2)
+    assert tp_bad_pages(decode, 77, pages, rows, heads, hw, 0, 4) == 3 * 2 * layers
+    for b in range(2 * layers):  # what the transfer does: each prefill rank's heads into its slot of the row
+        for r, pool in enumerate(prefill):
+            src = pool.words[b, pages].reshape(3, rows, 2, hw)
+            view = decode.words[b].reshape(-1, rows, 4, hw)
+            view[pages, :, 2 * r : 2 * r + 2, :] = src
+    assert tp_bad_pages(decode, 77, pages, rows, heads, hw, 0, 4) == 0
+    assert tp_bad_pages(decode, 78, pages, rows, heads, hw, 0, 4) == 3 * 2 * layers
+    assert np.array_equal(aux_pattern(5, 300), aux_pattern(5, 300)) and not np.array_equal(
+        aux_pattern(5, 300), aux_pattern(6, 300))
+
+
+def test_params_scales() -> None:
+    full = make_params(quick=False, tiny=False, repeats=None, seed=0, host="127.0.0.1", phases=None)
+    quick = make_params(quick=True, tiny=False, repeats=None, seed=0, host="127.0.0.1", phases=None)
+    tiny = make_params(quick=False, tiny=True, repeats=3, seed=1, host="127.0.0.1", phases=["tp"])
+    assert full.scattered_pages == 10_000 and full.tp_tokens == 4096 and full.tp_layers == 32
+    assert max(full.conc_levels) == 256 and 256 * 2**20 in full.sizes and 64 * 2**20 in full.sizes
+    assert 64 * 2**20 in quick.sizes and max(quick.conc_levels) == 256
+    assert tiny.repeats == 3 and tiny.phases == ["tp"] and tiny.seed == 1
+    assert set(ALL_PHASES) == {"ceilings"} | {p for e in ENGINES.values() for p in e.phases}
+    assert type(full).from_json(full.to_json()) == full

@@ -44,11 +44,17 @@ class _Credits:
         self.used = 0
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
 
-    async def acquire(self, n: int) -> None:
+    def try_acquire(self, n: int) -> bool:
         n = min(n, self.cap)
         if not self._waiters and self.used + n <= self.cap:
             self.used += n
+            return True
+        return False
+
+    async def acquire(self, n: int) -> None:
+        if self.try_acquire(n):
             return
+        n = min(n, self.cap)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append((n, fut))
         try:
@@ -166,7 +172,8 @@ class Poller:
             if credits is None:
                 credits = self._credits[peer] = _Credits(self.max_in_flight)
             for piece in split_blocks(blocks, self.max_batch):
-                await _bounded(credits.acquire(len(piece)), deadline, loop, "waiting for engine credit")
+                if not credits.try_acquire(len(piece)):
+                    await _bounded(credits.acquire(len(piece)), deadline, loop, "waiting for engine credit")
                 try:
                     handle = await self._submit(peer, piece, deadline, loop)
                 except BaseException:
@@ -176,7 +183,7 @@ class Poller:
                 failed = next((f for f in futures if f.done() and f.exception() is not None), None)
                 if failed is not None:
                     raise failed.exception()  # type: ignore[misc]
-            await _bounded(_gather_first_error(futures), deadline, loop, "engine transfer")
+            await _wait_all(futures, deadline, loop)
             ok = True
         finally:
             if not ok:
@@ -316,14 +323,23 @@ class Poller:
                 interval = min(interval * 2, self.interval_max)
 
 
-async def _gather_first_error(futures: list[asyncio.Future[None]]) -> None:
-    pending = set(futures)
+async def _wait_all(
+    futures: list[asyncio.Future[None]], deadline: float | None, loop: asyncio.AbstractEventLoop
+) -> None:
+    """Every future done, or the first error, or :class:`TransferTimeout` at ``deadline`` (no extra tasks)."""
+    pending = {f for f in futures if not f.done()}
+    for f in futures:
+        if f.done() and f.exception() is not None:
+            raise f.exception()  # type: ignore[misc]
     while pending:
-        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+        timeout = None if deadline is None else max(deadline - loop.time(), 0.0)
+        done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
         for f in done:
             exc = f.exception()
             if exc is not None:
                 raise exc
+        if pending and deadline is not None and loop.time() >= deadline:
+            raise TransferTimeout("engine transfer exceeded its deadline")
 
 
 async def _bounded(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from .status import KVPoll, PollLatch
 
@@ -19,7 +20,7 @@ class RoomSide:
         self._status = KVPoll.Bootstrapping
         self._reason: str | None = None
         self._created = time.monotonic()
-        self._changed = asyncio.Event()
+        self._change: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def poll(self) -> KVPoll:
         """Current status; the first terminal status is latched and returned forever after."""
@@ -35,4 +36,17 @@ class RoomSide:
         self._status = status
         if status is KVPoll.Failed and self._reason is None:
             self._reason = reason or "failed"
-        self._changed.set()
+        if not self._change.done():
+            self._change.set_result(None)
+
+    async def _wait_until(self, predicate: Callable[[], bool], deadline: float) -> bool:
+        """Wait (without creating tasks) until ``predicate()`` holds or the loop time reaches ``deadline``."""
+        loop = asyncio.get_running_loop()
+        while not predicate():
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            if self._change.done():
+                self._change = loop.create_future()
+            await asyncio.wait({self._change}, timeout=remaining)
+        return True

@@ -768,6 +768,8 @@ class KVManager:
         if len(src_lens) != 1 or len(dst_lens) != 1 or src.size == 0:
             return None
         nbuf = int(pairing.src.size)
+        if mode == "auto" and pairing.heads is None and int(src.size) * nbuf <= 8:
+            return None  # a handful of entries: staging's copies and round trips cannot pay off
         if pairing.heads is None:
             item = src_lens.pop()
             s_sl = d_sl = RowSlice(1, 1, 0, 1, item)

@@ -107,18 +107,10 @@ class KVReceiver(RoomSide):
         m = self._m
         m._check_open()
         t = m.config.done_timeout if timeout is None else timeout
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + t
-        while not self._status.is_terminal:
-            self._changed.clear()
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                await self.abort(f"decode gave up waiting after {t:.3g}s")
-                raise TransferTimeout(f"room {self.room}: no completion within {t:.3g}s")
-            try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
-            except asyncio.TimeoutError:
-                continue
+        deadline = asyncio.get_running_loop().time() + t
+        if not await self._wait_until(lambda: self._status.is_terminal, deadline):
+            await self.abort(f"decode gave up waiting after {t:.3g}s")
+            raise TransferTimeout(f"room {self.room}: no completion within {t:.3g}s")
         if self._status is KVPoll.Failed:
             raise TransferFailed(self._reason or "failed", room=self.room)
 

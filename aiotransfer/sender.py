@@ -56,7 +56,8 @@ class KVSender(RoomSide):
         self._last_reserved = False
         self._chunks_in_flight = 0
         self._chunk_finished = asyncio.Event()
-        self._failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._guarded: set[asyncio.Task[Any]] = set()
+        self._interrupted: set[asyncio.Task[Any]] = set()
         self._kv_done = False
         self._aux_sent = False
         self._state_sent = False
@@ -74,13 +75,35 @@ class KVSender(RoomSide):
     # -- status ---------------------------------------------------------------------------------
     def _set_status(self, status: KVPoll, reason: str | None = None) -> None:
         super()._set_status(status, reason)
-        if status is KVPoll.Failed and not self._failed.done():
-            self._failed.set_result(None)
+        if status is KVPoll.Failed:
+            # Interrupt sends in progress (peer declared dead, abort...): they return at once; the engine
+            # transfers they started keep their buffers pinned until the engine reports them done.
+            current = asyncio.current_task()
+            for task in list(self._guarded):
+                if task is not current and task not in self._interrupted:
+                    self._interrupted.add(task)
+                    task.cancel()
 
     async def _run_or_fail(self, aw: Any) -> Any:
-        """Await ``aw`` under :meth:`_guard`; any error fails the room on both sides, then propagates."""
+        """Await ``aw``; it is interrupted if the room fails meanwhile. Any error fails the room on both
+        sides, then propagates (an interruption as :class:`TransferFailed` with the room's reason)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._guarded.add(task)
         try:
-            return await self._guard(aw)
+            try:
+                return await aw
+            finally:
+                self._guarded.discard(task)
+        except asyncio.CancelledError as exc:
+            if task in self._interrupted:
+                self._interrupted.discard(task)
+                uncancel = getattr(task, "uncancel", None)
+                if uncancel is not None:
+                    uncancel()
+                raise TransferFailed(self._reason or "failed", room=self.room) from None
+            await self._fail_from(exc)
+            raise
         except TransferFailed as exc:
             await asyncio.shield(self._fail(exc.reason))
             raise
@@ -88,35 +111,10 @@ class KVSender(RoomSide):
             await self._fail_from(exc)
             raise
 
-    async def _guard(self, coro: Any) -> Any:
-        """Run ``coro`` but return as soon as the room fails elsewhere (peer declared dead, abort...).
-
-        The interrupted engine transfers keep their buffers pinned until the engine reports them done.
-        """
-        task = asyncio.ensure_future(coro)
-        try:
-            done, _ = await asyncio.wait({task, self._failed}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            task.cancel()
-            raise
-        if task in done:
-            return task.result()
-        task.cancel()
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        raise TransferFailed(self._reason or "failed", room=self.room)
-
-    async def _wait_until(self, predicate: Any, timeout: float, what: str) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while not predicate():
-            self._changed.clear()
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise TransferTimeout(f"room {self.room}: {what} not reached within {timeout:.3g}s")
-            try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
-            except asyncio.TimeoutError:
-                continue
+    async def _wait_for_status(self, predicate: Any, timeout: float, what: str) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout
+        if not await self._wait_until(predicate, deadline):
+            raise TransferTimeout(f"room {self.room}: {what} not reached within {timeout:.3g}s")
 
     def _raise_if_failed(self) -> None:
         if self._status is KVPoll.Failed:
@@ -188,7 +186,7 @@ class KVSender(RoomSide):
         self._m._check_open()
         t = self._m.config.ready_timeout if timeout is None else timeout
         try:
-            await self._wait_until(
+            await self._wait_for_status(
                 lambda: self._status is not KVPoll.Bootstrapping, t, "WaitingForInput (decode metadata)"
             )
         except TransferTimeout as exc:
@@ -370,7 +368,7 @@ class KVSender(RoomSide):
         """Wait for Success; raises :class:`TransferFailed` (with ``.reason``) or :class:`TransferTimeout`."""
         self._m._check_open()
         t = self._m.config.done_timeout if timeout is None else timeout
-        await self._wait_until(lambda: self._status.is_terminal, t, "a terminal status")
+        await self._wait_for_status(lambda: self._status.is_terminal, t, "a terminal status")
         self._raise_if_failed()
 
     async def abort(self, reason: str = "aborted by the prefill side") -> None:

@@ -33,6 +33,8 @@ __all__ = ["Poller"]
 log = logging.getLogger("aiotransfer.poller")
 
 _SPIN_WINDOW = 0.001
+_SHARED_CREDITS: dict[tuple[int, str, int], _Credits] = {}
+"""(engine scope, peer, event loop) -> credits; see :meth:`Poller._credits_for`."""
 """Seconds after the last progress during which the loop only yields (sleep(0)) between polls."""
 
 
@@ -168,9 +170,7 @@ class Poller:
         futures: list[asyncio.Future[None]] = []
         ok = False
         try:
-            credits = self._credits.get(peer)
-            if credits is None:
-                credits = self._credits[peer] = _Credits(self.max_in_flight)
+            credits = self._credits_for(peer, loop)
             for piece in split_blocks(blocks, self.max_batch):
                 if not credits.try_acquire(len(piece)):
                     await _bounded(credits.acquire(len(piece)), deadline, loop, "waiting for engine credit")
@@ -210,6 +210,19 @@ class Poller:
         return self.in_flight
 
     # -- internals ------------------------------------------------------------------------------
+    def _credits_for(self, peer: str, loop: asyncio.AbstractEventLoop) -> _Credits:
+        """Credits are shared by every poller driving the same native engine on this loop: the per-peer
+        queue limit belongs to the engine (Mooncake's is process-wide), not to one manager."""
+        credits = self._credits.get(peer)
+        if credits is None:
+            scope = getattr(self.engine, "credit_scope", self.engine)
+            key = (id(scope), peer, id(loop))
+            credits = _SHARED_CREDITS.get(key)
+            if credits is None or credits.cap != self.max_in_flight:
+                credits = _SHARED_CREDITS[key] = _Credits(self.max_in_flight)
+            self._credits[peer] = credits
+        return credits
+
     def _ensure_started(self) -> None:
         if self._task is None or self._task.done():
             self._loop = asyncio.get_running_loop()

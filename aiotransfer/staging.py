@@ -129,9 +129,14 @@ def gather_pages(
     seg = pages.size * sl.bytes_per_page
     for b, view in enumerate(buffers):
         dst = out[b * seg : (b + 1) * seg].reshape(pages.size, sl.rows, sl.count, sl.head_bytes)
-        # mode="clip": with the default mode="raise" NumPy buffers ``out`` (4-5x slower); the pages were
-        # range-checked by the caller (send_kv).
-        np.take(_page_view(view, num_pages[b], sl), pages, axis=0, out=dst, mode="clip")
+        src = _page_view(view, num_pages[b], sl)
+        if sl.count == sl.heads:
+            # mode="clip": with the default mode="raise" NumPy buffers ``out`` (4-5x slower); the pages were
+            # range-checked by the caller (send_kv).
+            np.take(src, pages, axis=0, out=dst, mode="clip")
+        else:
+            # a head slice is a strided view: np.take would first copy the whole buffer contiguous
+            dst[...] = src[pages]
 
 
 def scatter_pages(

@@ -488,6 +488,11 @@ class MooncakeEngine:
             )
         return _SharedNative(native, session, transport, setup, module, flags)
 
+    @property
+    def credit_scope(self) -> object:
+        """In-flight entry limits are per native engine, which every manager of the process shares."""
+        return self._shared
+
     # -- identity ------------------------------------------------------------------------------
     @property
     def session_id(self) -> str:

@@ -40,6 +40,7 @@ providers, two copies of libnl end up in the process and it segfaults at exit.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -388,11 +389,16 @@ class NixlEngine:
             return handle
 
     def check(self, handle: TransferHandle) -> EngineStatus:
-        """Non-blocking; a terminal answer releases the native handle (even when NIXL raises)."""
+        """Non-blocking, even against a concurrent submit: when the agent lock is busy (a ``transfer()``
+        copying inline over shared memory on the executor thread) it answers PENDING instead of waiting.
+        A terminal answer releases the native handle (even when NIXL raises)."""
         handle.ensure_pending()
         if handle.mode is not WaitMode.POLL or not isinstance(handle.token, _Xfer):
             raise EngineError("check() on a handle this NIXL engine did not create")
-        with self._lock:
+        if not self._lock.acquire(blocking=False):
+            return EngineStatus.PENDING
+        with contextlib.ExitStack() as held:
+            held.callback(self._lock.release)
             self._check_open()
             if handle.token.done_at_post:
                 return self._terminal(handle, EngineStatus.DONE)

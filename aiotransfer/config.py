@@ -92,7 +92,7 @@ class TransferConfig:
     executor_threads: int = 2
     """Threads of the engine's offload executor; more spinning threads are slower on small hosts."""
     poll_interval_min: float = 0.0001
-    poll_interval_max: float = 0.002
+    poll_interval_max: float = 0.001
     pending_request_ttl: float = 600.0
     """How long transfer requests for a room nobody created a sender for are kept."""
 

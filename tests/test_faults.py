@@ -59,6 +59,7 @@ async def test_receiver_killed_mid_transfer(big_prefill: KVManager, engine: str)
         with pytest.raises(TransferFailed) as info:
             await send
         elapsed = time.monotonic() - t0
+        print(f"receiver killed: prefill room failed after {elapsed:.2f}s ({info.value.reason})")
         assert elapsed < BOUND, elapsed
         assert tx.poll() is KVPoll.Failed
         assert any(w in info.value.reason for w in ("engine", "silent")), info.value.reason
@@ -78,6 +79,7 @@ async def test_receiver_hung_sigstop(big_prefill: KVManager, engine: str) -> Non
         with pytest.raises(TransferFailed, match="silent for") as info:
             await tx.send_kv(_scattered(2000, 4), timeout=30)
         elapsed = time.monotonic() - t0
+        print(f"receiver hung: prefill room failed after {elapsed:.2f}s ({info.value.reason})")
         assert elapsed < BOUND, elapsed
         assert "dead, hung or cut off" in info.value.reason
         # transfers with another peer keep flowing while the hung one is blacklisted
@@ -108,6 +110,7 @@ async def test_prefill_killed_decode_learns(engine: str) -> None:
             t0 = time.monotonic()
             with pytest.raises(TransferFailed, match="silent for"):
                 await rx.done(timeout=30)
+            print(f"prefill killed: decode room failed after {time.monotonic() - t0:.2f}s")
             assert time.monotonic() - t0 < BOUND
             assert rx.poll() is KVPoll.Failed
             # blacklisted: a new room to the dead peer fails at once, with the reason

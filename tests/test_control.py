@@ -8,8 +8,6 @@ import os
 import msgspec
 import numpy as np
 import pytest
-import zmq
-import zmq.asyncio
 
 from aiotransfer import KVArgs, KVManager, KVPoll, TransferConfig, TransferFailed
 from aiotransfer.control.messages import (
@@ -24,24 +22,7 @@ from aiotransfer.control.messages import (
 from aiotransfer.errors import ProtocolError
 from tests.conftest import GEOMETRY
 from tests.remote import RemotePeer
-
-
-async def _push(endpoint: str, frames: list[bytes]) -> None:
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 2000)
-    sock.connect(endpoint)
-    await sock.send_multipart(frames)
-    sock.close()
-    ctx.term()
-
-
-async def _wait_for(pred, timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not pred():
-        assert loop.time() < end, "condition not reached"
-        await asyncio.sleep(0.01)
+from tests.zmqtools import push, wait_until
 
 
 def test_codec_rejects_garbage_and_bad_values() -> None:
@@ -71,8 +52,8 @@ async def test_garbage_leaves_manager_working(prefill: KVManager, decode: Remote
     ]
     junk += [[bytes(rng.integers(0, 256, size=int(rng.integers(1, 300)), dtype=np.uint8))] for _ in range(50)]
     for frames in junk:
-        await _push(prefill.endpoint, frames)
-    await _wait_for(lambda: sum(prefill.stats()["control_dropped"].values()) >= len(junk))
+        await push(prefill.endpoint, frames)
+    await wait_until(lambda: sum(prefill.stats()["control_dropped"].values()) >= len(junk))
     assert prefill.stats()["control_received"] == 0
     # still works end to end
     tx = prefill.sender(1)
@@ -96,8 +77,8 @@ async def test_hostile_request_indices_fail_the_room_on_both_sides(prefill: KVMa
             kv_indices=pack_indices(np.array([GEOMETRY["pages"] + 10])),
         )
         tx3 = prefill.sender(3)
-        await _push(prefill.endpoint, [encode(forged)])
-        await _wait_for(lambda: prefill.stats().get("dropped_invalid-request", 0) == 1)
+        await push(prefill.endpoint, [encode(forged)])
+        await wait_until(lambda: prefill.stats().get("dropped_invalid-request", 0) == 1)
         assert tx3.poll() is KVPoll.Failed
         assert "invalid transfer request" in (tx3.failure_reason or "")
         assert "out of range" in (tx3.failure_reason or "")
@@ -123,17 +104,17 @@ async def test_forged_status_from_wrong_peer_is_ignored(prefill: KVManager, engi
         await rx.send_metadata([1, 2])
         await tx.wait_ready(timeout=10)
         forged = Status(room=5, status=int(KVPoll.Success), rank=0, endpoint="tcp://127.0.0.1:1")
-        await _push(dec.endpoint, [encode(forged)])
-        await _wait_for(lambda: dec.stats().get("dropped_wrong-peer", 0) == 1)
+        await push(dec.endpoint, [encode(forged)])
+        await wait_until(lambda: dec.stats().get("dropped_wrong-peer", 0) == 1)
         assert rx.poll() is KVPoll.WaitingForInput
         forged_fail = Status(room=99, status=int(KVPoll.Failed), rank=0, endpoint=prefill.endpoint, reason="x")
-        await _push(dec.endpoint, [encode(forged_fail)])
-        await _wait_for(lambda: dec.stats().get("dropped_unknown-room", 0) == 1)
+        await push(dec.endpoint, [encode(forged_fail)])
+        await wait_until(lambda: dec.stats().get("dropped_unknown-room", 0) == 1)
         await tx.send_kv([3, 4])
         await rx.done(timeout=10)
         # a late status for the concluded room does nothing
-        await _push(dec.endpoint, [encode(Status(room=5, status=0, rank=0, endpoint=prefill.endpoint))])
-        await _wait_for(lambda: dec.stats().get("dropped_unknown-room", 0) == 2)
+        await push(dec.endpoint, [encode(Status(room=5, status=0, rank=0, endpoint=prefill.endpoint))])
+        await wait_until(lambda: dec.stats().get("dropped_unknown-room", 0) == 2)
         assert rx.poll() is KVPoll.Success
 
 
@@ -156,7 +137,7 @@ async def test_unregistered_requester_is_refused(prefill: KVManager, engine: str
         req = TransferRequest(room=6, endpoint=dec.endpoint, generation=1, kv_indices=pack_indices(np.arange(2)))
         rx._targets = {prefill.endpoint: 0}
         rx._required = 1
-        await _push(prefill.endpoint, [encode(req)])
+        await push(prefill.endpoint, [encode(req)])
         with pytest.raises(TransferFailed, match="unregistered decode rank"):
             await rx.done(timeout=5)
 
@@ -164,5 +145,5 @@ async def test_unregistered_requester_is_refused(prefill: KVManager, engine: str
 async def test_hello_with_wrong_version_is_dropped(prefill: KVManager) -> None:
     h = Hello(version=PROTOCOL_VERSION + 1, endpoint="tcp://127.0.0.1:9", generation=1, engine="mooncake",
               session_id="x", engine_info=b"", probe_addr=1, compat="x", kv=[])
-    await _push(prefill.endpoint, [encode(h)])
-    await _wait_for(lambda: sum(prefill.stats()["control_dropped"].values()) == 1)
+    await push(prefill.endpoint, [encode(h)])
+    await wait_until(lambda: sum(prefill.stats()["control_dropped"].values()) == 1)

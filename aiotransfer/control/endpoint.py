@@ -21,6 +21,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -130,17 +131,21 @@ class ControlPlane:
 
     async def send(self, endpoint: str, msg: Message, *, timeout: float) -> None:
         """Queue ``msg`` to ``endpoint``; waits (bounded) only if the peer's queue is full."""
+        await self.send_frames(endpoint, self.frames(msg), timeout=timeout)
+
+    async def send_frames(self, endpoint: str, frames: list[bytes], *, timeout: float) -> None:
+        """Queue one multipart message; pyzmq tries a non-blocking send first, and only a full peer queue
+        makes this wait (bounded by ``timeout``; the message is withdrawn on expiry)."""
         if self._closed:
             raise ClosedError("control plane is closed")
-        sock = self._socket(endpoint)
-        frames = self.frames(msg)
+        fut = cast("asyncio.Future[Any]", self._socket(endpoint).send_multipart(frames))
+        if not fut.done():
+            done, _ = await asyncio.wait({fut}, timeout=timeout)
+            if not done:
+                fut.cancel()
+                raise TransferTimeout(f"control message to {endpoint} not accepted within {timeout}s")
         try:
-            sock.send_multipart(frames, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            try:
-                await asyncio.wait_for(sock.send_multipart(frames), timeout)
-            except asyncio.TimeoutError:
-                raise TransferTimeout(f"control message to {endpoint} not accepted within {timeout}s") from None
+            fut.result()
         except zmq.ZMQError as exc:
             raise PeerError(f"cannot send to {endpoint}: {exc}") from exc
         self.sent += 1
@@ -155,7 +160,7 @@ class ControlPlane:
         return len(self._out) + (1 if self._pull is not None else 0)
 
     # -- inbound --------------------------------------------------------------------------------
-    def parse(self, frames: list[bytes]) -> Message:
+    def parse(self, frames: list[bytes]) -> Message | None:
         """Authenticate and decode one multipart message (raises :class:`ProtocolError`)."""
         if not frames or len(frames) > 3:
             raise ProtocolError("bad frame count")
@@ -199,6 +204,8 @@ class ControlPlane:
             except ProtocolError as exc:
                 self._drop(str(exc).split(":")[0], exc)
                 continue
+            if msg is None:
+                continue  # consumed by the protocol layer itself
             self.received += 1
             try:
                 result = self._handler(msg)

@@ -32,17 +32,14 @@ import asyncio
 import contextlib
 import logging
 import struct
-import time
-from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import zmq
-import zmq.asyncio
 
-from ..errors import ClosedError, EngineUnavailable, PeerError, ProtocolError, TransferTimeout
+from ..errors import EngineUnavailable, ProtocolError
+from .endpoint import ControlPlane
 from .messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -166,8 +163,8 @@ class _BootstrapTable:
     count: int = 0
 
 
-class SglangControlPlane:
-    """See the module docstring. Same public surface as ``ControlPlane``."""
+class SglangControlPlane(ControlPlane):
+    """See the module docstring. A ``ControlPlane`` whose frames are SGLang's (no HMAC: SGLang has none)."""
 
     def __init__(
         self,
@@ -184,25 +181,13 @@ class SglangControlPlane:
             raise EngineUnavailable(
                 "the SGLang wire profile needs aiohttp: pip install 'aiotransfer[sglang]'"
             ) from exc
+        super().__init__(identity.host, port, handler, max_sockets=max_sockets,
+                         max_message_bytes=max_message_bytes)
         self._aiohttp = aiohttp
         self.me = identity
-        self._port = port
-        self._handler = handler
-        self._max_sockets = max_sockets
-        self._max_bytes = max_message_bytes
-        self._ctx: zmq.asyncio.Context | None = None
-        self._pull: zmq.asyncio.Socket | None = None
-        self._out: OrderedDict[str, zmq.asyncio.Socket] = OrderedDict()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._recv: asyncio.Task[None] | None = None
         self._http: Any = None
         self._runner: Any = None
-        self._closed = False
-        self.endpoint = ""
-        self.received = 0
-        self.sent = 0
-        self.evicted = 0
-        self.dropped: Counter[str] = Counter()
         # decode side
         self._rank_bootstrap: dict[str, str] = {}
         """prefill rank endpoint -> its bootstrap HTTP address"""
@@ -218,50 +203,22 @@ class SglangControlPlane:
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
-        self._ctx = zmq.asyncio.Context()
-        self._ctx.setsockopt(zmq.LINGER, 0)
-        pull = self._ctx.socket(zmq.PULL)
-        pull.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + 1024)
-        addr = f"tcp://{self.me.host}"
-        port = pull.bind_to_random_port(addr) if not self._port else self._port
-        if self._port:
-            pull.bind(f"{addr}:{port}")
-        self._pull = pull
-        self.endpoint = f"{addr}:{port}"
+        await super().start()
         self._http = self._aiohttp.ClientSession(timeout=self._aiohttp.ClientTimeout(total=_HTTP_TIMEOUT))
         if self.me.bootstrap_port:
             await self._serve_bootstrap()
             self._table_register(self._own_registration())
-        self._recv = asyncio.get_running_loop().create_task(self._recv_loop(), name="aiotransfer-sglang")
 
     async def aclose(self, linger: float = 0.5) -> None:
-        self._closed = True
-        for task in [self._recv, *self._tasks]:
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
+        for task in list(self._tasks):
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
         if self._runner is not None:
             await self._runner.cleanup()
         if self._http is not None:
             await self._http.close()
-        for sock in self._out.values():
-            sock.close(linger=int(linger * 1000))
-        self._out.clear()
-        if self._pull is not None:
-            self._pull.close(linger=0)
-        ctx, self._ctx = self._ctx, None
-        if ctx is not None:
-            await asyncio.get_running_loop().run_in_executor(_TERM_EXECUTOR, ctx.term)
-
-    @property
-    def open_sockets(self) -> int:
-        return len(self._out) + (1 if self._pull is not None else 0)
-
-    def forget(self, endpoint: str) -> None:
-        sock = self._out.pop(endpoint, None)
-        if sock is not None:
-            sock.close(linger=0)
+        await super().aclose(linger)
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -274,65 +231,29 @@ class SglangControlPlane:
         if result is not None:
             self._spawn(result)
 
-    def _drop(self, cause: str, detail: object) -> None:
-        self.dropped[cause] += 1
-        now = time.monotonic()
-        if now - self._last_warn > 1.0:
-            self._last_warn = now
-            log.warning("dropped SGLang frame (%s): %s", cause, detail)
-
     # -- outbound -------------------------------------------------------------------------------
-    def _socket(self, endpoint: str) -> zmq.asyncio.Socket:
-        sock = self._out.get(endpoint)
-        if sock is not None:
-            self._out.move_to_end(endpoint)
-            return sock
-        if self._ctx is None:
-            raise ClosedError("control plane is not started")
-        while len(self._out) >= self._max_sockets:
-            _, old = self._out.popitem(last=False)
-            old.close(linger=0)
-            self.evicted += 1
-        sock = self._ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.SNDHWM, 10000)
-        sock.connect(endpoint)
-        self._out[endpoint] = sock
-        return sock
-
-    async def _push(self, endpoint: str, frames: list[bytes], timeout: float) -> None:
-        if self._closed:
-            raise ClosedError("control plane is closed")
-        sock = self._socket(endpoint)
-        try:
-            await asyncio.wait_for(sock.send_multipart(frames), timeout)
-        except asyncio.TimeoutError:
-            raise TransferTimeout(f"SGLang peer {endpoint} did not accept a message within {timeout}s") from None
-        except zmq.ZMQError as exc:
-            raise PeerError(f"cannot send to {endpoint}: {exc}") from exc
-        self.sent += 1
-
     async def send(self, endpoint: str, msg: Message, *, timeout: float) -> None:
         """Translate one internal message into SGLang's protocol (see the module table)."""
         if isinstance(msg, TopologyQuery):
             self._spawn(self._query_topology(endpoint, msg))
         elif isinstance(msg, Hello):
             self._own_session = msg.session_id
-            await self._push(endpoint, self._register_frames(msg), timeout)
+            await self.send_frames(endpoint, self._register_frames(msg), timeout=timeout)
             self._deliver(HelloAck(version=PROTOCOL_VERSION, endpoint=endpoint, generation=msg.generation,
                                    accepted=True, engine=self.me.engine, rank=self._rank_ids.get(endpoint, 0)))
         elif isinstance(msg, TransferRequest):
-            await self._push(endpoint, self._metadata_frames(msg), timeout)
+            await self.send_frames(endpoint, self._metadata_frames(msg), timeout=timeout)
         elif isinstance(msg, Status):
-            await self._push(endpoint, [str(msg.room).encode(), str(msg.status).encode(),
-                                        str(self.me.unique_rank).encode()], timeout)
+            await self.send_frames(endpoint, [str(msg.room).encode(), str(msg.status).encode(),
+                                        str(self.me.unique_rank).encode()], timeout=timeout)
         elif isinstance(msg, AuxData):
-            await self._push(endpoint, [b"AUX_DATA", str(msg.room).encode(), str(msg.buffer).encode(),
-                                        str(msg.index).encode(), struct.pack(">I", len(msg.data)), msg.data], timeout)
+            await self.send_frames(endpoint, [b"AUX_DATA", str(msg.room).encode(), str(msg.buffer).encode(),
+                                        str(msg.index).encode(), struct.pack(">I", len(msg.data)), msg.data], timeout=timeout)
         elif isinstance(msg, Abort):
             if endpoint in self._sessions:
                 return  # SGLang decodes are not told about prefill-side aborts (they time out on their own)
-            await self._push(endpoint, [b"ABORT", str(msg.room).encode(), self.me.host.encode(),
-                                        self.endpoint.rpartition(":")[2].encode()], timeout)
+            await self.send_frames(endpoint, [b"ABORT", str(msg.room).encode(), self.me.host.encode(),
+                                        self.endpoint.rpartition(":")[2].encode()], timeout=timeout)
         elif isinstance(msg, RankRegister):
             self._spawn(self._put_route(endpoint, msg))
         elif isinstance(msg, Ping):
@@ -527,29 +448,6 @@ class SglangControlPlane:
         log.error("could not register this prefill rank with the SGLang bootstrap server at %s", url)
 
     # -- inbound --------------------------------------------------------------------------------
-    async def _recv_loop(self) -> None:
-        assert self._pull is not None
-        while True:
-            try:
-                frames = await self._pull.recv_multipart(copy=True)
-            except zmq.ZMQError as exc:
-                if self._closed:
-                    return
-                self._drop("socket-error", exc)
-                continue
-            try:
-                msg = self.parse(list(frames))
-            except ProtocolError as exc:
-                self._drop(str(exc).split(":")[0], exc)
-                continue
-            if msg is None:
-                continue
-            try:
-                self._deliver(msg)
-            except Exception:  # a handler bug must not kill the control plane
-                self.dropped["handler-error"] += 1
-                log.exception("handler failed on a translated SGLang message")
-
     def parse(self, frames: list[bytes]) -> Message | None:
         """Translate one SGLang multipart message (raises :class:`ProtocolError`; None = consumed here)."""
         if not frames or sum(len(f) for f in frames) > self._max_bytes:
@@ -643,33 +541,10 @@ class SglangControlPlane:
     async def _ack_later(self, endpoint: str, frames: list[bytes]) -> None:
         await asyncio.sleep(0)  # after the handler marked the room failed
         with contextlib.suppress(Exception):
-            await self._push(endpoint, frames, timeout=1.0)
+            await self.send_frames(endpoint, frames, timeout=1.0)
 
 
 def importlib_web(aiohttp: Any) -> Any:
     from aiohttp import web
 
     return web
-
-
-class _TermExecutor:
-    """A tiny executor for ``zmq.Context.term`` (may block while messages drain): one daemon thread per call."""
-
-    def submit(self, fn: Callable[[], None]) -> Any:
-        import concurrent.futures
-        import threading
-
-        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                fn()
-                fut.set_result(None)
-            except BaseException as exc:  # pragma: no cover - term does not raise in practice
-                fut.set_exception(exc)
-
-        threading.Thread(target=run, name="aiotransfer-zmq-term", daemon=True).start()
-        return fut
-
-
-_TERM_EXECUTOR: Any = _TermExecutor()

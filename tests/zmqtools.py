@@ -1,0 +1,28 @@
+"""Small helpers for control-plane tests: a raw PUSH to a manager, and a bounded wait."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+
+async def push(endpoint: str, frames: list[bytes]) -> None:
+    """Send one multipart message to ``endpoint`` from a throwaway socket (as any peer could)."""
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(endpoint)
+    await sock.send_multipart(frames)
+    sock.close()
+    ctx.term()
+
+
+async def wait_until(pred: Callable[[], object], timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not pred():
+        assert loop.time() < end, "condition not reached"
+        await asyncio.sleep(0.01)

@@ -74,6 +74,11 @@ def _config(**kw: Any) -> TransferConfig:
     return TransferConfig(engine="mooncake_tcp", wire="sglang-mooncake", handshake_timeout=20.0, **kw)
 
 
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+
+
 def _head_digest(kv: list[np.ndarray], geom: dict[str, Any], heads: int, pages: list[int], start: int,
                  count: int) -> str:
     import hashlib
@@ -374,7 +379,7 @@ async def test_latency_throughput_against_sglang_pair(capsys: pytest.CaptureFixt
     results["geometry"] = {**g, "room_bytes": room_bytes}
     os.makedirs(os.path.join(ROOT, "bench-results"), exist_ok=True)
     out = os.path.join(ROOT, "bench-results", "interop-profile.json")
-    await asyncio.to_thread(lambda: open(out, "w").write(json.dumps(results, indent=2)))
+    await asyncio.to_thread(_write_json, out, results)
     with capsys.disabled():
         print(f"\n[interop] SGLang {SGLANG_VERSION} prefill, {room_bytes / 2**20:.0f} MiB rooms, Mooncake TCP loopback")
         for pair in ("sglang->sglang", "sglang->aiotransfer"):

@@ -53,14 +53,17 @@ ROOM_BASE = 2**62
 
 
 def _buffers(geom: dict[str, Any], tp_size: int = 1, seed: int | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """KV buffers laid out as SGLang's MHA pool ([K_0..K_{L-1}, V_0..V_{L-1}], NHD pages) and aux buffers."""
+    """KV buffers laid out as SGLang's MHA pool ([K_0..K_{L-1}, V_0..V_{L-1}], NHD pages) and aux buffers.
+
+    Written at allocation (``np.full``), like a serving stack's pool: untouched ``np.zeros`` pages would
+    page-fault during the first transfer and skew the timings."""
     heads = geom["heads"] // tp_size
     item_len = geom["page_size"] * heads * geom["head_dim"] * geom["dtype_bytes"]
     rng = np.random.default_rng(seed)
     kv = [rng.integers(0, 256, size=(geom["pages"], item_len), dtype=np.uint8) if seed is not None
-          else np.zeros((geom["pages"], item_len), np.uint8) for _ in range(2 * geom["layers"])]
+          else np.full((geom["pages"], item_len), 0, np.uint8) for _ in range(2 * geom["layers"])]
     aux = [rng.integers(0, 256, size=(geom["aux_slots"], int(n)), dtype=np.uint8) if seed is not None
-           else np.zeros((geom["aux_slots"], int(n)), np.uint8) for n in str(geom["aux"]).split(",")]
+           else np.full((geom["aux_slots"], int(n)), 0, np.uint8) for n in str(geom["aux"]).split(",")]
     return kv, aux
 
 

@@ -262,10 +262,6 @@ class Poller:
         self.pinned_bytes += handle.nbytes
         self._idle.clear()
         if handle.mode is WaitMode.POLL:
-            bandwidth = float(getattr(self.engine, "bandwidth_bps", 0.0))
-            if bandwidth > 0:
-                # optimistic estimate (1.5x the engine's typical bandwidth): never later than the real end
-                handle.extra["due"] = time.perf_counter() + handle.nbytes / (1.5 * bandwidth)
             self._polled[handle] = fut
             self._wake.set()
         else:
@@ -333,13 +329,7 @@ class Poller:
             if progressed:
                 last_progress = now
                 interval = self.interval_min
-            # Large transfers cannot finish before their earliest estimate: sleep until shortly before
-            # it instead of yield-spinning, which on small hosts steals the core the engine needs.
-            earliest = min((h.extra.get("due", 0.0) for h in self._polled), default=0.0)
-            if earliest - now > _SPIN_WINDOW:
-                await asyncio.sleep(earliest - now - _SPIN_WINDOW)
-                last_progress = time.perf_counter()
-            elif now - last_progress < _SPIN_WINDOW:
+            if now - last_progress < _SPIN_WINDOW:
                 await asyncio.sleep(0)
             else:
                 await asyncio.sleep(interval)

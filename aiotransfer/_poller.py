@@ -1,7 +1,8 @@
 """The async poll loop: owns every in-flight engine handle and turns it into an awaitable.
 
 * POLL handles (cheap non-blocking ``check``) are polled from the event loop: yielding (``sleep(0)``)
-  right after progress, then backing off to timed sleeps while nothing completes, idle when empty.
+  between polls while transfers progress, backing off to timed sleeps after ``_SPIN_WINDOW`` without any
+  completion (a hung peer), idle when nothing is in flight.
 * BLOCK handles (only a blocking ``wait``) go to one waiter thread per peer, which calls ``wait`` exactly
   once per handle and resolves the future with ``call_soon_threadsafe``. A hung peer stalls only its own
   waiter; transfers to other peers keep flowing.
@@ -32,7 +33,11 @@ __all__ = ["Poller"]
 
 log = logging.getLogger("aiotransfer.poller")
 
-_SPIN_WINDOW = 0.001
+_SPIN_WINDOW = 0.25
+"""While transfers are in flight the loop polls between every other callback (``sleep(0)``) for up to this
+long without progress, then backs off to timed sleeps. Measured on Mooncake TCP: polling every iteration
+completes a 256 MiB write as fast as a thread spinning on the status (0.99x), polling every 0.5-1 ms is
+10-20 % slower, and other tasks keep running between polls, so the loop stays responsive."""
 _SHARED_CREDITS: dict[tuple[int, str, int], _Credits] = {}
 """(engine scope, peer, event loop) -> credits; see :meth:`Poller._credits_for`."""
 """Seconds after the last progress during which the loop only yields (sleep(0)) between polls."""

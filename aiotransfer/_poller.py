@@ -40,7 +40,6 @@ completes a 256 MiB write as fast as a thread spinning on the status (0.99x), po
 10-20 % slower, and other tasks keep running between polls, so the loop stays responsive."""
 _SHARED_CREDITS: dict[tuple[int, str, int], _Credits] = {}
 """(engine scope, peer, event loop) -> credits; see :meth:`Poller._credits_for`."""
-"""Seconds after the last progress during which the loop only yields (sleep(0)) between polls."""
 
 
 class _Credits:

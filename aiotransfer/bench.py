@@ -620,8 +620,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="re-derive the table and plots from a saved --suite full JSON (runs nothing)")
     full.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: smallest configuration
     full.add_argument("--tp-library-credits", action="store_true",
-                      help="TP figure: keep the library's default engine credits on each of the 4 prefill managers "
-                           "(they share one Mooncake engine: reproduces Mooncake failing the batches with -1)")
+                      help="TP figure: keep the library's default engine credits (1,024 per peer, shared by the 4 "
+                           "prefill managers of the one Mooncake engine) instead of 256")
     p.add_argument("--role", choices=("prefill", "decode"), default="prefill", help=argparse.SUPPRESS)
 
 

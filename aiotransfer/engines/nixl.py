@@ -22,8 +22,9 @@ method                 blocks?                             GIL released     thre
 =====================  ==================================  ===============  ===========================
 
 NIXL calls must be serialised per agent: the poll loop calls ``check`` from the event-loop thread
-while ``submit_write`` runs inline or on one executor thread, so every agent call takes one
-``threading.Lock``. Handles are POLL handles (``initialize_xfer`` + ``transfer`` + ``check_xfer_state``);
+while ``submit_write`` runs on one executor thread (``transfer()`` may copy inline over shared memory),
+so every agent call takes one ``threading.Lock``; ``check`` only tries it and answers PENDING when a
+submit holds it, so the event loop never waits for a copy. Handles are POLL handles (``initialize_xfer`` + ``transfer`` + ``check_xfer_state``);
 the native xfer handle is released as soon as a terminal state is seen (or NIXL raised), and a
 :class:`~aiotransfer.engines.base.TransferHandle` is never queried twice. Handles that fail to release
 are kept in a ledger, retried at :meth:`NixlEngine.close` and logged.

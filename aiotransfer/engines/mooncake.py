@@ -44,6 +44,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,6 +90,8 @@ _PROTOCOL_ENV_DEFAULTS: dict[str, dict[str, str]] = {
 _FALSY = {"", "0", "false", "no", "off"}
 _CHECK_PENDING, _CHECK_DONE, _CHECK_FAILED, _CHECK_TIMEOUT = 0, 1, -1, -2
 _RC_ALREADY_REGISTERED = -7
+_HANDSHAKE_TRIES = 3
+_HANDSHAKE_RETRY_S = 0.4
 
 
 def _wheel_for(protocol: str, build_flags: Mapping[str, bool]) -> str:
@@ -568,7 +571,14 @@ class MooncakeEngine:
             if rc != 0:
                 raise EngineError(f"Mooncake peer {peer} is unreachable (send_probe returned {rc})", code=rc)
         if probe_addr > 0:
-            rc = s.native.transfer_sync_write(peer, self.probe_region.ptr, probe_addr, 1)
+            # A peer restarted on a reused port can leave a stale cached segment (or a lane in its reconnect
+            # cooldown) that fails the first write; a short retry lets the engine reconnect.
+            for attempt in range(_HANDSHAKE_TRIES):
+                rc = s.native.transfer_sync_write(peer, self.probe_region.ptr, probe_addr, 1)
+                if rc == 0:
+                    break
+                if attempt + 1 < _HANDSHAKE_TRIES:
+                    time.sleep(_HANDSHAKE_RETRY_S * (attempt + 1))
             if rc != 0:
                 raise EngineError(f"Mooncake handshake write to {peer} failed with {rc}", code=rc)
         s.connected.add(peer)

@@ -733,20 +733,7 @@ async def _decode_worker(ns: argparse.Namespace) -> int:
         raise ValueError(f"unknown command {op!r}")
 
     try:
-        while True:
-            try:
-                cmd = await chan.recv(7200.0)
-            except asyncio.TimeoutError:
-                break
-            if cmd is None:
-                break
-            try:
-                reply = await handle(cmd)
-                reply.update(event="ok", cmd=cmd["cmd"])
-            except Exception as exc:
-                traceback.print_exc(file=sys.stderr)
-                reply = {"event": "error", "cmd": cmd.get("cmd"), "message": f"{type(exc).__name__}: {exc}"}
-            await chan.send(reply, timeout=60.0)
+        await chan.serve(handle, idle_timeout=7200.0, send_timeout=60.0, trace=True)
     finally:
         for name in list(setups):
             await close_setup(name)

@@ -38,6 +38,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import datetime
+import functools
 import json
 import os
 import platform
@@ -212,7 +213,11 @@ def _raw_batch_sync(e: Any, target: str, batches: list[tuple[list[int], list[int
     return time.perf_counter() - t0
 
 
-def _raw_submit_check(e: Any, target: str, batches: list[tuple[list[int], list[int], list[int]]]) -> float:
+def _raw_submit(
+    e: Any, target: str, batches: list[tuple[list[int], list[int], list[int]]], pause: float = 0.0
+) -> float:
+    """``transfer_submit_write`` per entry, then ``transfer_check_status`` until done: spinning when
+    ``pause`` is 0, else sleeping ``pause`` seconds between checks (no spinning core)."""
     t0 = time.perf_counter()
     for s, d, n in batches:
         for k in range(len(s)):
@@ -220,22 +225,8 @@ def _raw_submit_check(e: Any, target: str, batches: list[tuple[list[int], list[i
             if not bid:
                 raise RuntimeError("transfer_submit_write refused")
             while (rc := e.transfer_check_status(bid)) == 0:
-                pass
-            if rc != 1:
-                raise RuntimeError(f"transfer_check_status -> {rc}")
-    return time.perf_counter() - t0
-
-
-def _raw_submit_poll(e: Any, target: str, batches: list[tuple[list[int], list[int], list[int]]]) -> float:
-    """Like :func:`_raw_submit_check` but sleeping 0.5 ms between checks (no spinning core)."""
-    t0 = time.perf_counter()
-    for s, d, n in batches:
-        for k in range(len(s)):
-            bid = e.transfer_submit_write(target, s[k], d[k], n[k])
-            if not bid:
-                raise RuntimeError("transfer_submit_write refused")
-            while (rc := e.transfer_check_status(bid)) == 0:
-                time.sleep(0.0005)
+                if pause:
+                    time.sleep(pause)
             if rc != 1:
                 raise RuntimeError(f"transfer_check_status -> {rc}")
     return time.perf_counter() - t0
@@ -265,8 +256,8 @@ RAW_STYLES: dict[str, dict[str, RawFn]] = {
     "single": {
         "transfer_sync_write": _raw_sync_write,
         "batch_transfer_sync_write": _raw_batch_sync,
-        "transfer_submit_write+check_status spin": _raw_submit_check,
-        "transfer_submit_write+check_status every 0.5 ms": _raw_submit_poll,
+        "transfer_submit_write+check_status spin": _raw_submit,
+        "transfer_submit_write+check_status every 0.5 ms": functools.partial(_raw_submit, pause=0.0005),
         "batch_transfer_async_write+get_batch_transfer_status": _raw_batch_async,
     },
     "runs": {
@@ -337,19 +328,7 @@ async def _decode_main(ns: argparse.Namespace) -> int:
 
     rc = 0
     try:
-        while True:
-            try:
-                cmd = await chan.recv(3600.0)
-            except asyncio.TimeoutError:
-                break
-            if cmd is None:
-                break
-            try:
-                reply = await handle(cmd)
-                reply.update(event="ok", cmd=cmd["cmd"])
-            except Exception as exc:
-                reply = {"event": "error", "cmd": cmd.get("cmd"), "message": f"{type(exc).__name__}: {exc}"}
-            await chan.send(reply)
+        await chan.serve(handle, idle_timeout=3600.0)
     finally:
         if "mgr" in state:
             await state["mgr"].aclose()

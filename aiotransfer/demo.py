@@ -29,8 +29,9 @@ import math
 import os
 import sys
 import time
+import traceback
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
@@ -316,6 +317,32 @@ class Channel:
                 msg: dict[str, Any] = json.loads(text[len(_MARK) :])
                 return msg
             sys.stderr.write(text)
+
+    async def serve(
+        self,
+        handle: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]],
+        *,
+        idle_timeout: float,
+        send_timeout: float = 10.0,
+        trace: bool = False,
+    ) -> None:
+        """Answer commands ``{"cmd": ...}`` with ``handle`` until end of stream or ``idle_timeout`` of silence;
+        a failing command is answered with ``{"event": "error", "message": ...}`` and serving goes on."""
+        while True:
+            try:
+                cmd = await self.recv(idle_timeout)
+            except asyncio.TimeoutError:
+                return
+            if cmd is None:
+                return
+            try:
+                reply = await handle(cmd)
+                reply.update(event="ok", cmd=cmd["cmd"])
+            except Exception as exc:
+                if trace:
+                    traceback.print_exc(file=sys.stderr)
+                reply = {"event": "error", "cmd": cmd.get("cmd"), "message": f"{type(exc).__name__}: {exc}"}
+            await self.send(reply, timeout=send_timeout)
 
 
 class Child:

@@ -1415,10 +1415,6 @@ class KVManager:
         if rx is None:
             self._drop("unknown-room", f"status for room {msg.room}")
             return
-        if not msg.endpoint and self.config.wire == "sglang-mooncake":
-            # SGLang status frames name the prefill rank, not its endpoint
-            endpoint = next((ep for ep, rank in rx._targets.items() if rank == msg.rank), "")
-            msg = Status(room=msg.room, status=msg.status, rank=msg.rank, endpoint=endpoint, reason=msg.reason)
         if msg.status == int(KVPoll.Success) and msg.checksum >= 0 and msg.endpoint in rx._targets:
             self._spawn(self._verified_status(rx, msg), "verify")
             return
@@ -1458,8 +1454,7 @@ class KVManager:
         if rx is None:
             self._drop("unknown-room", f"aux for room {msg.room}")
             return
-        sglang_aux = not msg.endpoint and self.config.wire == "sglang-mooncake" and bool(rx._targets)
-        if msg.endpoint not in rx._targets and not sglang_aux:
+        if msg.endpoint not in rx._targets:
             self._drop("wrong-peer", f"aux for room {msg.room} from {msg.endpoint}")
             return
         if rx.aux_index is None or msg.index != rx.aux_index or msg.buffer >= len(self.args.aux):

@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import logging
 import struct
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,7 @@ log = logging.getLogger("aiotransfer.control.sglang")
 SGLANG_VERSION = "0.5.23"
 """The SGLang release this profile was checked against (frames are stable across 0.5.x)."""
 _HTTP_TIMEOUT = 5.0
+_MAX_TRACKED_ROOMS = 1 << 16
 _REMOTE_EXTENT = 1 << 40
 """SGLang registrations carry no buffer sizes: a remote buffer is taken to span this many bytes (the
 engine itself refuses writes outside the decode's registered memory)."""
@@ -192,6 +194,9 @@ class SglangControlPlane(ControlPlane):
         self._rank_bootstrap: dict[str, str] = {}
         """prefill rank endpoint -> its bootstrap HTTP address"""
         self._rank_ids: dict[str, int] = {}
+        self._room_targets: OrderedDict[int, dict[int, str]] = OrderedDict()
+        """decode side: room -> {prefill_unique_rank: endpoint} of the ranks we sent real metadata to
+        (SGLang's status and AUX_DATA frames name a rank or nothing, never an endpoint)"""
         """prefill rank endpoint -> prefill_unique_rank"""
         # prefill side
         self._sessions: dict[str, _DecodeSession] = {}
@@ -242,6 +247,10 @@ class SglangControlPlane(ControlPlane):
             self._deliver(HelloAck(version=PROTOCOL_VERSION, endpoint=endpoint, generation=msg.generation,
                                    accepted=True, engine=self.me.engine, rank=self._rank_ids.get(endpoint, 0)))
         elif isinstance(msg, TransferRequest):
+            if not msg.is_dummy:
+                self._room_targets.setdefault(msg.room, {})[self._rank_ids.get(endpoint, 0)] = endpoint
+                while len(self._room_targets) > _MAX_TRACKED_ROOMS:
+                    self._room_targets.popitem(last=False)
             await self.send_frames(endpoint, self._metadata_frames(msg), timeout=timeout)
         elif isinstance(msg, Status):
             await self.send_frames(endpoint, [str(msg.room).encode(), str(msg.status).encode(),
@@ -461,8 +470,10 @@ class SglangControlPlane(ControlPlane):
             (n,) = struct.unpack(">I", frames[4])
             if n != len(frames[5]):
                 raise ProtocolError("AUX_DATA length mismatch")
-            return AuxData(room=_int(frames[1], "room"), buffer=_int(frames[2], "aux buffer"),
-                           index=_int(frames[3], "aux slot"), data=frames[5], endpoint="")
+            room = _int(frames[1], "room")
+            return AuxData(room=room, buffer=_int(frames[2], "aux buffer"),
+                           index=_int(frames[3], "aux slot"), data=frames[5],
+                           endpoint=next(iter(self._room_targets.get(room, {}).values()), ""))
         if tag == b"ABORT":
             return self._parse_abort(frames)
         if tag == b"ABORT_ACK":
@@ -471,7 +482,7 @@ class SglangControlPlane(ControlPlane):
             room, status, rank = (_int(f, "status field") for f in frames)
             if status not in (0, 4):
                 raise ProtocolError(f"unexpected status {status}")
-            return Status(room=room, status=status, rank=rank, endpoint="",
+            return Status(room=room, status=status, rank=rank, endpoint=self._room_targets.get(room, {}).get(rank, ""),
                           reason="" if status == 4 else "the SGLang prefill reported failure (no reason on the wire)")
         if len(frames) >= 8:
             return self._parse_metadata(frames)

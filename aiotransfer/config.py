@@ -78,6 +78,11 @@ class TransferConfig:
     ``MC_TCP_STATUS_TIMEOUT_SEC``). ``None`` leaves the environment untouched."""
     engine_log_level: str = "ERROR"
     """glog level of the engine (``MC_LOG_LEVEL``); an explicit environment value wins."""
+    engine_metadata_refresh_s: int | None = None
+    """Have Mooncake re-read every peer descriptor it caches this often
+    (``MC_TE_METADATA_REFRESH_INTERVAL_SECONDS``). Not needed for restarted peers (the adapter re-fetches a
+    known peer whose handshake fails); it also polls every dead peer forever, logging an error each time.
+    ``None`` leaves the environment untouched (the engine's default: never)."""
 
     max_entries_in_flight: int = 1024
     """Engine entries in flight per peer (Mooncake rejects beyond ~2,048 queued per peer)."""
@@ -148,6 +153,9 @@ class TransferConfig:
             object.__setattr__(self, "max_batch_entries", self.max_entries_in_flight)
         if self.engine_timeout_s is not None and self.engine_timeout_s < 5:
             raise ConfigError("engine_timeout_s must be >= 5 (Mooncake's minimum) or None")
+        refresh = self.engine_metadata_refresh_s
+        if refresh is not None and (not isinstance(refresh, int) or refresh < 1):
+            raise ConfigError(f"engine_metadata_refresh_s must be an integer >= 1 or None, got {refresh!r}")
         if self.wire not in ("native", "sglang-mooncake"):
             raise ConfigError(f"wire must be 'native' or 'sglang-mooncake', got {self.wire!r}")
         if self.wire == "sglang-mooncake":

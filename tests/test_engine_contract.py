@@ -13,6 +13,8 @@ import base64
 import contextlib
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -43,10 +45,11 @@ def u64(*values: int) -> np.ndarray:
 class ProcessPeer:
     """The target engine and its buffer in another OS process (tests/_engine_peer.py)."""
 
-    def __init__(self, engine: str) -> None:
+    def __init__(self, engine: str, env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, str(PEER_SCRIPT), engine, str(NBYTES)],
             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env=None if env is None else {**os.environ, **env},
         )
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
@@ -311,6 +314,85 @@ def test_write_to_killed_peer_fails_cleanly(rig: Rig) -> None:
 
 
 # -- NIXL specifics ----------------------------------------------------------------------------------
+
+
+def _free_ports(n: int) -> int:
+    """A base port such that base .. base + n - 1 are all free (outside Mooncake's default 15000-17000)."""
+    rng = np.random.default_rng()
+    for _ in range(200):
+        base = int(rng.integers(20000, 30000))
+        if all(_bindable(port) for port in range(base, base + n)):
+            return base
+    raise RuntimeError("no free port range")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def _drop_lingering_sockets(*ports: int) -> None:
+    """A dead peer's ports stay unbindable for a minute (TIME-WAIT, FIN-WAIT-2); clear them (needs root)."""
+    for port in ports:
+        subprocess.run(
+            ["ss", "-K", "-tan", "state", "time-wait", "state", "fin-wait-2", f"( sport = :{port} )"],
+            check=False, capture_output=True,
+        )
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ss") is None, reason="needs root and ss to free the dead peer's port now"
+)
+def test_mooncake_peer_restarted_on_the_same_address_is_reachable_again() -> None:
+    """Mooncake caches a peer's descriptor (its data port) by ``host:port`` and never drops it. A peer
+    restarted on the same address with another data port would be unreachable for good; the adapter
+    re-fetches its descriptor under an alias and reaches it at once."""
+    engine = _make_engine("mooncake")
+    src = np.random.default_rng(11).integers(0, 256, NBYTES, dtype=np.uint8)
+    engine.register([MemoryRegion(int(src.ctypes.data), NBYTES)])
+    base = _free_ports(3)
+    window = {"MC_MIN_RPC_PORT": str(base), "MC_MAX_RPC_PORT": str(base + 2)}  # engine port and data port
+    first = ProcessPeer("mooncake_tcp", env=window)
+    peers = [first]
+    try:
+        engine.connect(first.session_id, first.info, first.probe)
+        blocks = Blocks(u64(int(src.ctypes.data)), u64(first.addr), u64(4096))
+        assert drive(engine, engine.submit_write(first.session_id, blocks)) is EngineStatus.DONE
+        assert first.crc(0, 4096) == zlib.crc32(src[:4096].tobytes())
+        ports = set(range(base, base + 3))
+        engine_port = int(first.session_id.rsplit(":", 1)[1])
+        (data_port,) = (p for p in ports - {engine_port} if not _bindable(p))
+        first.proc.kill()
+        first.close()
+        (spare,) = ports - {engine_port, data_port}
+        with socket.socket() as holder:  # the restarted peer must get another data port
+            for _ in range(40):  # its engine port is drawn at random: retry until it is reused
+                _drop_lingering_sockets(*ports)
+                if holder.getsockname()[1] != data_port:
+                    with contextlib.suppress(OSError):
+                        holder.bind(("0.0.0.0", data_port))
+                with contextlib.suppress(RuntimeError):  # ports briefly taken
+                    second = ProcessPeer("mooncake_tcp", env=window)
+                    peers.append(second)
+                    if second.session_id == first.session_id and not _bindable(spare):  # data port moved
+                        break
+                    second.close()
+            else:
+                pytest.fail(f"no restarted peer got {first.session_id} again with another data port")
+        t0 = time.monotonic()
+        engine.connect(second.session_id, second.info, second.probe)
+        assert time.monotonic() - t0 < 1.5
+        blocks = Blocks(u64(int(src.ctypes.data) + 4096), u64(second.addr), u64(8192))
+        assert drive(engine, engine.submit_write(second.session_id, blocks)) is EngineStatus.DONE
+        assert second.crc(0, 8192) == zlib.crc32(src[4096:12288].tobytes())
+    finally:
+        for peer in peers:
+            peer.close()
+        engine.close()
 
 
 def test_nixl_missing_package_names_the_install_line(monkeypatch: pytest.MonkeyPatch) -> None:

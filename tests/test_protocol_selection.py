@@ -210,11 +210,25 @@ def test_apply_env_timeouts_and_log_level() -> None:
     setup = select_mooncake_setup(config_protocol="rdma", env={}, alias_tcp=False, build_flags=NON_CUDA)
     environ = {"MC_LOG_LEVEL": "INFO"}
     applied = mc._apply_env(TransferConfig(engine_timeout_s=7), setup, environ)
-    assert environ == {"MC_LOG_LEVEL": "INFO", "MC_TRANSFER_TIMEOUT": "7", "MC_TCP_STATUS_TIMEOUT_SEC": "6"}
+    assert environ == {
+        "MC_LOG_LEVEL": "INFO", "MC_TRANSFER_TIMEOUT": "7", "MC_TCP_STATUS_TIMEOUT_SEC": "6",
+    }
     assert "MC_LOG_LEVEL" not in applied and "MC_FORCE_TCP" not in environ
+    environ = {mc.REFRESH_ENV: "9"}
+    config = TransferConfig(engine_timeout_s=None, engine_log_level="ERROR", engine_metadata_refresh_s=5)
+    mc._apply_env(config, setup, environ)
+    assert environ == {"MC_LOG_LEVEL": "ERROR", mc.REFRESH_ENV: "9"}  # the user's value wins
     environ = {}
-    mc._apply_env(TransferConfig(engine_timeout_s=None, engine_log_level="ERROR"), setup, environ)
-    assert environ == {"MC_LOG_LEVEL": "ERROR"}
+    mc._apply_env(TransferConfig(engine_timeout_s=None, engine_metadata_refresh_s=3), setup, environ)
+    assert environ == {"MC_LOG_LEVEL": "ERROR", mc.REFRESH_ENV: "3"}
+    assert mc._fresh_alias("10.0.0.5:15228") == "10.0.0.5:015228"
+    assert mc._fresh_alias("[fe80::1]:015228") == "[fe80::1]:0015228"
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "2"])
+def test_metadata_refresh_must_be_a_positive_integer(value: object) -> None:
+    with pytest.raises(ConfigError, match="engine_metadata_refresh_s"):
+        TransferConfig(engine_metadata_refresh_s=value)  # type: ignore[arg-type]
 
 
 # -- the transport actually installed ----------------------------------------------------------------------

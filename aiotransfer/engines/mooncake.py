@@ -43,6 +43,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
@@ -90,8 +91,9 @@ _PROTOCOL_ENV_DEFAULTS: dict[str, dict[str, str]] = {
 _FALSY = {"", "0", "false", "no", "off"}
 _CHECK_PENDING, _CHECK_DONE, _CHECK_FAILED, _CHECK_TIMEOUT = 0, 1, -1, -2
 _RC_ALREADY_REGISTERED = -7
-_HANDSHAKE_TRIES = 3
-_HANDSHAKE_RETRY_S = 0.4
+_HANDSHAKE_RETRY_S = 0.25
+_HANDSHAKE_WINDOW_S = 2.0
+REFRESH_ENV = "MC_TE_METADATA_REFRESH_INTERVAL_SECONDS"
 
 
 def _wheel_for(protocol: str, build_flags: Mapping[str, bool]) -> str:
@@ -313,9 +315,25 @@ def installed_transport(
     return base + "+hip" if build_flags.get("SUPPORT_HIP", False) else base
 
 
-def _import_engine_module(log_level: str = "WARNING") -> Any:
-    # glog reads MC_LOG_LEVEL when the extension loads: set it (unless the user did) before importing.
-    os.environ.setdefault("MC_LOG_LEVEL", log_level)
+def _load_time_env(config: TransferConfig) -> dict[str, str]:
+    """Variables the extension reads once, when it loads (glog's level, the engine's global config)."""
+    wanted = {"MC_LOG_LEVEL": config.engine_log_level}
+    if config.engine_metadata_refresh_s is not None:
+        wanted[REFRESH_ENV] = str(config.engine_metadata_refresh_s)
+    return wanted
+
+
+_LOAD_APPLIED: dict[str, str] = {}
+"""What ``_import_engine_module`` set before the first import (reported with the engine's start line)."""
+
+
+def _import_engine_module(config: TransferConfig) -> Any:
+    # Set (unless the user did) before the first import: later values are ignored by the loaded extension.
+    if "mooncake.engine" not in sys.modules:
+        for key, value in _load_time_env(config).items():
+            if key not in os.environ:
+                os.environ[key] = value
+                _LOAD_APPLIED[key] = value
     try:
         import mooncake.engine as module
     except ImportError as exc:
@@ -348,7 +366,7 @@ def _build_flags(module: Any) -> dict[str, bool]:
 def _apply_env(config: TransferConfig, setup: MooncakeSetup, environ: MutableMapping[str, str]) -> dict[str, str]:
     """``setdefault`` the engine's variables (a value the user set wins); returns what was actually set."""
     wanted = dict(setup.env_defaults)
-    wanted["MC_LOG_LEVEL"] = config.engine_log_level
+    wanted.update(_load_time_env(config))
     if config.engine_timeout_s is not None:
         wanted["MC_TRANSFER_TIMEOUT"] = str(config.engine_timeout_s)
         wanted["MC_TCP_STATUS_TIMEOUT_SEC"] = str(max(3, config.engine_timeout_s - 1))
@@ -391,6 +409,19 @@ def _has_hca(native: Any, device_filter: str) -> bool:
         return True
 
 
+def _fresh_alias(name: str) -> str:
+    """``host:port`` -> ``host:0port``: the same address to the engine, a new key in its descriptor cache."""
+    host, _, port = name.rpartition(":")
+    return f"{host}:0{port}"
+
+
+def _env_int(name: str) -> int:
+    try:
+        return max(0, int(os.environ.get(name, "0")))
+    except ValueError:
+        return 0
+
+
 class _SharedNative:
     """The process-wide native engine, reference counted."""
 
@@ -409,7 +440,13 @@ class _SharedNative:
         self.flags = dict(flags)
         self.refs = 0
         self.connected: set[str] = set()
+        self.known: set[str] = set()
+        """Peers the engine has fetched a descriptor for (it keeps them for its lifetime)."""
+        self.names: dict[str, str] = {}
+        """Peer session -> the alias the engine knows a restarted peer by (see ``_handshake``)."""
         self.regions: dict[tuple[int, int], int] = {}  # (ptr, nbytes) -> refcount
+        self.refresh_s = _env_int(REFRESH_ENV)
+        """How often the engine re-reads cached peer descriptors (0: never)."""
 
 
 class MooncakeEngine:
@@ -424,7 +461,7 @@ class MooncakeEngine:
     """Measured TCP loopback throughput of one peer connection."""
 
     def __init__(self, config: TransferConfig, *, alias_tcp: bool = False) -> None:
-        module = _import_engine_module(config.engine_log_level)
+        module = _import_engine_module(config)
         flags = _build_flags(module)
         setup = select_mooncake_setup(
             config_protocol=config.protocol,
@@ -453,6 +490,7 @@ class MooncakeEngine:
         self._shared = shared
         self._owned: list[MemoryRegion] = []
         self._closed = False
+        self._handshake_window = min(_HANDSHAKE_WINDOW_S, config.handshake_timeout / 2)
         scratch = np.zeros(64, dtype=np.uint8)
         self._scratch = scratch
         self.probe_region = MemoryRegion(int(scratch.ctypes.data), scratch.nbytes)
@@ -462,7 +500,7 @@ class MooncakeEngine:
     def _create(
         config: TransferConfig, setup: MooncakeSetup, module: Any, flags: Mapping[str, bool]
     ) -> _SharedNative:
-        applied = _apply_env(config, setup, os.environ)
+        applied = {**_LOAD_APPLIED, **_apply_env(config, setup, os.environ)}
         for note in setup.notes:
             log.warning("Mooncake: %s", note)
         native = module.TransferEngine()
@@ -516,6 +554,7 @@ class MooncakeEngine:
             "rdma_devices": s.setup.device_name,
             "build": sorted(k for k, v in s.flags.items() if v),
             "shared_refs": s.refs,
+            "metadata_refresh_s": s.refresh_s,
         }
 
     def local_info(self) -> bytes:
@@ -567,21 +606,48 @@ class MooncakeEngine:
         s = self._shared
         probe = getattr(s.native, "send_probe", None)
         if probe is not None:
-            rc = probe(peer)
+            rc = probe(s.names.get(peer, peer))
             if rc != 0:
                 raise EngineError(f"Mooncake peer {peer} is unreachable (send_probe returned {rc})", code=rc)
         if probe_addr > 0:
-            # A peer restarted on a reused port can leave a stale cached segment (or a lane in its reconnect
-            # cooldown) that fails the first write; a short retry lets the engine reconnect.
-            for attempt in range(_HANDSHAKE_TRIES):
-                rc = s.native.transfer_sync_write(peer, self.probe_region.ptr, probe_addr, 1)
-                if rc == 0:
-                    break
-                if attempt + 1 < _HANDSHAKE_TRIES:
-                    time.sleep(_HANDSHAKE_RETRY_S * (attempt + 1))
-            if rc != 0:
-                raise EngineError(f"Mooncake handshake write to {peer} failed with {rc}", code=rc)
+            self._handshake(peer, probe_addr)
         s.connected.add(peer)
+        s.known.add(peer)
+
+    def _handshake(self, peer: str, probe_addr: int) -> None:
+        """Write one byte into the peer's probe region, retrying over a short window.
+
+        The engine caches a peer's descriptor (its data port, its buffers) under the name it was addressed
+        by, and never drops it. A peer restarted on an address this engine already knew would fail every
+        write: the engine keeps using the dead process's data port. When a known peer fails, it is addressed
+        under a fresh alias of the same ``host:port`` (the port with a leading zero, which the engine parses
+        to the same number), so the engine fetches its descriptor again. A data port reused from a dead
+        peer fails until its connection lane cools down: the retries cover that."""
+        s = self._shared
+        name = s.names.get(peer, peer)
+        deadline = time.monotonic() + self._handshake_window
+        attempts = 0
+        while True:
+            attempts += 1
+            rc = s.native.transfer_sync_write(name, self.probe_region.ptr, probe_addr, 1)
+            if rc == 0:
+                if name != s.names.get(peer, peer):
+                    s.names[peer] = name
+                    log.info("Mooncake peer %s restarted on a known address: addressed as %s from now on", peer, name)
+                elif attempts > 1:
+                    log.info("Mooncake handshake with %s succeeded after %d attempts", peer, attempts)
+                return
+            if attempts == 1 and peer in s.known:
+                name = _fresh_alias(name)
+                continue
+            if time.monotonic() + _HANDSHAKE_RETRY_S >= deadline:
+                break
+            time.sleep(_HANDSHAKE_RETRY_S)
+        raise EngineError(
+            f"Mooncake handshake write to {peer} failed with {rc} ({attempts} attempts over "
+            f"{self._handshake_window:.1f} s)",
+            code=rc,
+        )
 
     def forget_peer(self, peer: str) -> None:
         self._shared.connected.discard(peer)
@@ -593,11 +659,13 @@ class MooncakeEngine:
         native = self._shared.native
         nbytes = blocks.nbytes
         if n == 1:
-            bid = native.transfer_submit_write(peer, int(blocks.src[0]), int(blocks.dst[0]), int(blocks.length[0]))
+            bid = native.transfer_submit_write(
+                self._shared.names.get(peer, peer), int(blocks.src[0]), int(blocks.dst[0]), int(blocks.length[0])
+            )
             mode = WaitMode.POLL
         else:
             bid = native.batch_transfer_async_write(
-                peer, blocks.src.tolist(), blocks.dst.tolist(), blocks.length.tolist()
+                self._shared.names.get(peer, peer), blocks.src.tolist(), blocks.dst.tolist(), blocks.length.tolist()
             )
             mode = WaitMode.BLOCK
         if not bid:

@@ -1,8 +1,9 @@
 """The async poll loop: owns every in-flight engine handle and turns it into an awaitable.
 
 * POLL handles (cheap non-blocking ``check``) are polled from the event loop: yielding (``sleep(0)``)
-  between polls while transfers progress, backing off to timed sleeps after ``_SPIN_WINDOW`` without any
-  completion (a hung peer), idle when nothing is in flight.
+  between polls while one or two transfers progress, timed sleeps (``poll_interval_min``..``max``) when
+  more are queued (``_SPIN_DEPTH``) or after ``_SPIN_WINDOW`` without any completion (a hung peer), idle
+  when nothing is in flight.
 * BLOCK handles (only a blocking ``wait``) go to one waiter thread per peer, which calls ``wait`` exactly
   once per handle and resolves the future with ``call_soon_threadsafe``. A hung peer stalls only its own
   waiter; transfers to other peers keep flowing.
@@ -38,6 +39,13 @@ _SPIN_WINDOW = 0.25
 long without progress, then backs off to timed sleeps. Measured on Mooncake TCP: polling every iteration
 completes a 256 MiB write as fast as a thread spinning on the status (0.99x), polling every 0.5-1 ms is
 10-20 % slower, and other tasks keep running between polls, so the loop stays responsive."""
+_SPIN_DEPTH = 2
+"""Spin (``sleep(0)``) only while at most this many polled transfers are in flight. Deeper, the engine has
+work queued and a completion noticed up to 1 ms late costs no throughput, while the spinning loop takes a
+core from the engine's own threads. Measured on Mooncake TCP, 2 vCPUs, 8 x 8 MiB in flight (``bench --suite
+full --phases lag,concurrency``): timed polls instead of spinning raised throughput from 0.80x to 1.00x of a
+raw thread and lowered loop-lag p99 from 1.34 to 1.18 ms (raw thread, idle loop: 1.40 ms); 256 requests in
+flight went from 0.60x to 0.76x of the raw single stream."""
 _SHARED_CREDITS: dict[tuple[int, str, int], _Credits] = {}
 """(engine scope, peer, event loop) -> credits; see :meth:`Poller._credits_for`."""
 
@@ -333,7 +341,7 @@ class Poller:
             if progressed:
                 last_progress = now
                 interval = self.interval_min
-            if now - last_progress < _SPIN_WINDOW:
+            if len(self._polled) <= _SPIN_DEPTH and now - last_progress < _SPIN_WINDOW:
                 await asyncio.sleep(0)
             else:
                 await asyncio.sleep(interval)

@@ -63,7 +63,7 @@ from .errors import (
 from .integrity import RoomChecksum, fold, region_crcs
 from .layout import KVPairing, RankGeometry, pair_buffers
 from .metrics import Metrics
-from .plan import Blocks, as_index_array, check_range, check_unique, plan_blocks, plan_head_slices
+from .plan import Blocks, as_index_array, check_range, check_unique, plan_blocks, plan_few, plan_head_slices
 from .receiver import KVReceiver
 from .sender import KVSender
 from .staging import RowSlice, StagingArena, choose_staging, gather_pages, host_view, scatter_pages
@@ -75,6 +75,8 @@ __all__ = ["KVManager"]
 log = logging.getLogger("aiotransfer.manager")
 
 _PLAN_OFFLOAD_ENTRIES = 1 << 16
+_FEW_PAGES = 8
+"""Chunks of at most this many pages (no head slicing) are planned in plain Python (:func:`plan_few`)."""
 _STAGE_PIECE_BYTES = 8 << 20
 """Target size of one staged piece: small enough to overlap gather, transfer and scatter."""
 """Plans larger than this many (page x buffer) pairs are computed on the offload thread."""
@@ -98,6 +100,8 @@ class _DecodePeer:
     """Remote bases, in the order of ``pairing.src``."""
     dst_item_lens: np.ndarray
     staging: BufferSpec | None = None
+    few: tuple[list[int], list[int], list[int]] | None = None
+    """(source bases, destination bases, item lengths) as ints, for :func:`plan_few` (built on first use)."""
 
     @property
     def session_id(self) -> str:
@@ -763,13 +767,13 @@ class KVManager:
         if mode == "never" or self._arena is None or peer.staging is None or self._kv_views is None:
             return None
         pairing = peer.pairing
+        nbuf = int(pairing.src.size)
+        if mode == "auto" and pairing.heads is None and int(src.size) * nbuf <= 8:
+            return None  # a handful of entries: staging's copies and round trips cannot pay off
         src_lens = {int(self.args.kv[i].item_len) for i in pairing.src}
         dst_lens = {int(x) for x in peer.dst_item_lens}
         if len(src_lens) != 1 or len(dst_lens) != 1 or src.size == 0:
             return None
-        nbuf = int(pairing.src.size)
-        if mode == "auto" and pairing.heads is None and int(src.size) * nbuf <= 8:
-            return None  # a handful of entries: staging's copies and round trips cannot pay off
         if pairing.heads is None:
             item = src_lens.pop()
             s_sl = d_sl = RowSlice(1, 1, 0, 1, item)
@@ -962,6 +966,14 @@ class KVManager:
 
     def _plan_kv(self, peer: _DecodePeer, src: np.ndarray, dst: np.ndarray) -> Blocks:
         pairing = peer.pairing
+        if pairing.heads is None and src.size <= _FEW_PAGES:
+            few = peer.few
+            if few is None:
+                few = peer.few = (
+                    self._kv_bases[pairing.src].tolist(), peer.dst_bases.tolist(),
+                    self._kv_item_lens[pairing.src].tolist(),
+                )
+            return plan_few(few[0], few[1], few[2], src.tolist(), dst.tolist())
         src_bases = self._kv_bases[pairing.src]
         src_lens = self._kv_item_lens[pairing.src]
         if pairing.heads is None:

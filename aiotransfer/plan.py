@@ -26,6 +26,7 @@ __all__ = [
     "coalesce_runs",
     "page_runs",
     "plan_blocks",
+    "plan_few",
     "plan_head_slices",
     "plan_slots",
     "split_blocks",
@@ -297,6 +298,35 @@ def split_blocks(blocks: Blocks, max_entries: int) -> list[Blocks]:
         Blocks(src[i : i + max_entries], dst[i : i + max_entries], length[i : i + max_entries])
         for i in range(0, total, max_entries)
     ]
+
+
+def plan_few(
+    src_bases: list[int], dst_bases: list[int], item_lens: list[int], src_pages: list[int], dst_pages: list[int]
+) -> Blocks:
+    """:func:`plan_blocks` for a handful of pages, in plain Python: the same entries, without NumPy's fixed
+    cost per call (tens of microseconds, most of a 4 KiB request's planning). Inputs are trusted: bases and
+    lengths validated at registration, pages checked by the caller, ``len(src_pages) == len(dst_pages)``."""
+    runs: list[list[int]] = []
+    for s, d in zip(src_pages, dst_pages, strict=True):
+        if runs:
+            last = runs[-1]
+            if s == last[0] + last[2] and d == last[1] + last[2]:
+                last[2] += 1
+                continue
+        runs.append([s, d, 1])
+    srcs: list[int] = []
+    dsts: list[int] = []
+    lens: list[int] = []
+    for sb, db, il in zip(src_bases, dst_bases, item_lens, strict=True):
+        for s, d, n in runs:
+            a, b, length = sb + s * il, db + d * il, n * il
+            if lens and srcs[-1] + lens[-1] == a and dsts[-1] + lens[-1] == b:
+                lens[-1] += length
+            else:
+                srcs.append(a)
+                dsts.append(b)
+                lens.append(length)
+    return Blocks(np.array(srcs, dtype=np.uint64), np.array(dsts, dtype=np.uint64), np.array(lens, dtype=np.uint64))
 
 
 def plan_head_slices(

@@ -18,6 +18,7 @@ from aiotransfer.plan import (
     coalesce_runs,
     page_runs,
     plan_blocks,
+    plan_few,
     plan_slots,
     split_blocks,
 )
@@ -385,6 +386,17 @@ def expected_bytes(lay: dict[str, Any]) -> tuple[npt.NDArray[np.int64], npt.NDAr
         src_parts.append((sb + lay["src_pages"][:, None] * il + offs).ravel())
         dst_parts.append((db + lay["dst_pages"][:, None] * il + offs).ravel())
     return np.concatenate(src_parts), np.concatenate(dst_parts)
+
+
+@settings(deadline=None, max_examples=300)
+@given(layouts())
+def test_property_plan_few_equals_plan_blocks(lay: dict[str, Any]) -> None:
+    """The plain-Python planner for small chunks gives exactly the NumPy planner's entries, in order."""
+    few = plan_few(*(list(map(int, lay[k])) for k in ("src_bases", "dst_bases", "item_lens", "src_pages", "dst_pages")))
+    ref = plan_blocks(**lay)
+    for got, want in zip(few, ref, strict=True):
+        assert got.dtype == want.dtype == np.uint64
+        assert got.tolist() == want.tolist()
 
 
 @settings(deadline=None, max_examples=300)

@@ -401,6 +401,9 @@ async def open_parent_channel() -> Channel:
     reader = asyncio.StreamReader(limit=16 * 1024 * 1024)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, proto)
+    # drain() returns only once the pipe took every byte: a process that exits right after its last
+    # send (a large result) must not lose the tail still buffered in the transport.
+    transport.set_write_buffer_limits(high=0)
     writer = asyncio.StreamWriter(transport, protocol, None, loop)
     return Channel(reader, writer)
 

@@ -193,3 +193,29 @@ def test_params_scales() -> None:
     assert tiny.repeats == 3 and tiny.phases == ["tp"] and tiny.seed == 1
     assert set(ALL_PHASES) == {"ceilings"} | {p for e in ENGINES.values() for p in e.phases}
     assert type(full).from_json(full.to_json()) == full
+
+
+_LAST_WORDS = """
+import asyncio
+from aiotransfer.demo import open_parent_channel
+
+async def main() -> None:
+    chan = await open_parent_channel()
+    await chan.send({"event": "result", "blob": "x" * 100_000}, timeout=30.0)
+
+asyncio.run(main())
+"""
+
+
+def test_child_last_message_arrives_whole_before_it_exits() -> None:
+    """A worker sends its (large) result and exits at once: the pipe must have taken every byte first."""
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _LAST_WORDS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT
+    )
+    time.sleep(1.0)  # nothing reads the pipe meanwhile: the child must wait for us, not exit early
+    out, _ = proc.communicate(timeout=30)
+    line = out.decode().splitlines()[-1]
+    msg = json.loads(line[len("@aiotransfer "):])
+    assert msg["event"] == "result" and len(msg["blob"]) == 100_000

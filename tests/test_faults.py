@@ -46,6 +46,17 @@ async def _healthy_room(mgr: KVManager, peer: RemotePeer, room: int) -> None:
     await peer.call("done", room=room)
 
 
+async def _until_in_flight(mgr: KVManager, send: asyncio.Future[None]) -> None:
+    """Return once the first engine batch of ``send`` is in flight (a kill then lands mid-transfer)."""
+    poller = mgr._poller
+    assert poller is not None
+    deadline = time.monotonic() + 10
+    while not poller.in_flight:
+        assert not send.done(), "the transfer finished before any batch was seen in flight"
+        assert time.monotonic() < deadline, "no engine batch in flight after 10 s"
+        await asyncio.sleep(0)
+
+
 async def test_receiver_killed_mid_transfer(big_prefill: KVManager, engine: str) -> None:
     victim = await RemotePeer.start(engine, **BIG)
     other = await RemotePeer.start(engine, **BIG)
@@ -53,7 +64,7 @@ async def test_receiver_killed_mid_transfer(big_prefill: KVManager, engine: str)
         tx = await _open(big_prefill, victim, 1, _scattered(2000, 1))
         await _healthy_room(big_prefill, other, 2)
         send = asyncio.ensure_future(tx.send_kv(_scattered(2000, 2), timeout=30))
-        await asyncio.sleep(0.05)
+        await _until_in_flight(big_prefill, send)  # NIXL over shared memory moves all 8,000 entries in ~40 ms
         victim.signal(signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(TransferFailed) as info:

@@ -385,7 +385,7 @@ def test_mooncake_peer_restarted_on_the_same_address_is_reachable_again() -> Non
                 pytest.fail(f"no restarted peer got {first.session_id} again with another data port")
         t0 = time.monotonic()
         engine.connect(second.session_id, second.info, second.probe)
-        assert time.monotonic() - t0 < 1.5
+        assert time.monotonic() - t0 < 3.0  # one handshake window (2 s), not a refresh period or a timeout
         blocks = Blocks(u64(int(src.ctypes.data) + 4096), u64(second.addr), u64(8192))
         assert drive(engine, engine.submit_write(second.session_id, blocks)) is EngineStatus.DONE
         assert second.crc(0, 8192) == zlib.crc32(src[4096:12288].tobytes())

@@ -75,11 +75,11 @@ __all__ = ["KVManager"]
 log = logging.getLogger("aiotransfer.manager")
 
 _PLAN_OFFLOAD_ENTRIES = 1 << 16
+"""Plans larger than this many (page x buffer) pairs are computed on the offload thread."""
 _FEW_PAGES = 8
 """Chunks of at most this many pages (no head slicing) are planned in plain Python (:func:`plan_few`)."""
 _STAGE_PIECE_BYTES = 8 << 20
 """Target size of one staged piece: small enough to overlap gather, transfer and scatter."""
-"""Plans larger than this many (page x buffer) pairs are computed on the offload thread."""
 
 
 @dataclass

@@ -1,0 +1,87 @@
+"""The poll loop's spin-or-sleep policy, on an engine whose transfers finish only when the test says so.
+
+Spinning (``sleep(0)`` between polls) answers a completion at once but keeps a core busy; timed polls leave
+the cores to the engine. The loop spins while at most two transfers, or at most ``_SPIN_BYTES``, are in
+flight, and polls on timed sleeps when more work is queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from aiotransfer import _poller
+from aiotransfer._offload import Offloader
+from aiotransfer._poller import Poller
+from aiotransfer.engines.base import EngineStatus, TransferHandle, WaitMode
+from aiotransfer.plan import Blocks
+
+WATCH_S = 0.1
+
+
+class HeldEngine:
+    """Single-entry POLL transfers that stay pending until ``release()``; counts ``check`` calls."""
+
+    name = "held"
+    cheap_submit = True
+
+    def __init__(self) -> None:
+        self.checks = 0
+        self.released = False
+
+    def submit_write(self, peer: str, blocks: Blocks) -> TransferHandle:
+        return TransferHandle(token=object(), mode=WaitMode.POLL, peer=peer, entries=len(blocks), nbytes=blocks.nbytes)
+
+    def check(self, handle: TransferHandle) -> EngineStatus:
+        self.checks += 1
+        return handle.finish(EngineStatus.DONE) if self.released else EngineStatus.PENDING
+
+
+def _one_entry(nbytes: int) -> Blocks:
+    return Blocks(np.array([4096], np.uint64), np.array([8192], np.uint64), np.array([nbytes], np.uint64))
+
+
+async def _checks_per_handle(count: int, nbytes: int) -> float:
+    """Poll-loop ``check`` calls per in-flight handle during WATCH_S with ``count`` transfers of ``nbytes``."""
+    engine = HeldEngine()
+    offloader = Offloader("poller-test", 1)
+    poller = Poller(engine, offloader, max_in_flight=1024, max_batch=1024, interval_min=0.0001, interval_max=0.001)
+    writes = [asyncio.ensure_future(poller.write("peer", _one_entry(nbytes), timeout=10)) for _ in range(count)]
+    try:
+        while poller.in_flight < count:
+            await asyncio.sleep(0)
+        before = engine.checks
+        await asyncio.sleep(WATCH_S)
+        per_handle = (engine.checks - before) / count
+        engine.released = True
+        await asyncio.wait_for(asyncio.gather(*writes), 5)
+        assert poller.in_flight == 0 and poller.completed == count
+        return per_handle
+    finally:
+        await poller.aclose(1.0)
+        offloader.shutdown(wait=False)
+
+
+@pytest.mark.parametrize(
+    ("count", "nbytes", "spins"),
+    [
+        (1, 256 << 20, True),  # one large write: spinning is what matches a raw thread
+        (2, 64 << 20, True),
+        (8, 4096, True),  # many small requests, 32 KiB queued: completions are imminent
+        (3, 8 << 20, False),  # the engine has work queued: leave it the cores
+        (8, 8 << 20, False),
+    ],
+)
+async def test_spins_only_while_little_is_queued(count: int, nbytes: int, spins: bool) -> None:
+    per_handle = await _checks_per_handle(count, nbytes)
+    timed_max = WATCH_S / 0.001 * 2  # timed polls: about one check per millisecond, with slack
+    if spins:
+        assert per_handle > 5 * timed_max, per_handle
+    else:
+        assert per_handle <= timed_max, per_handle
+
+
+def test_spin_thresholds_are_the_documented_ones() -> None:
+    assert _poller._SPIN_DEPTH == 2 and _poller._SPIN_BYTES == 1 << 20

@@ -8,6 +8,7 @@ flight, and polls on timed sleeps when more work is queued.
 from __future__ import annotations
 
 import asyncio
+from typing import cast
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from aiotransfer import _poller
 from aiotransfer._offload import Offloader
 from aiotransfer._poller import Poller
-from aiotransfer.engines.base import EngineStatus, TransferHandle, WaitMode
+from aiotransfer.engines.base import EngineStatus, TransferEngine, TransferHandle, WaitMode
 from aiotransfer.plan import Blocks
 
 WATCH_S = 0.1
@@ -47,7 +48,10 @@ async def _checks_per_handle(count: int, nbytes: int) -> float:
     """Poll-loop ``check`` calls per in-flight handle during WATCH_S with ``count`` transfers of ``nbytes``."""
     engine = HeldEngine()
     offloader = Offloader("poller-test", 1)
-    poller = Poller(engine, offloader, max_in_flight=1024, max_batch=1024, interval_min=0.0001, interval_max=0.001)
+    poller = Poller(
+        cast(TransferEngine, engine), offloader, max_in_flight=1024, max_batch=1024, interval_min=0.0001,
+        interval_max=0.001,
+    )
     writes = [asyncio.ensure_future(poller.write("peer", _one_entry(nbytes), timeout=10)) for _ in range(count)]
     try:
         while poller.in_flight < count:

@@ -64,20 +64,9 @@ pip_q() { # pip, quiet, minus the warnings about extra-index-url folders that do
                       -e '^sglang [0-9.]* requires ' >&2)
 }
 
-# --- Debian libraries for mooncake's engine.so (same check as scripts/setup.sh) ------------------------
-LDCONFIG="$(command -v ldconfig || echo /sbin/ldconfig)"
-ld_cache="$("$LDCONFIG" -p 2>/dev/null || true)"
-missing=()
-for pair in libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1 libcurl.so.4:libcurl4; do
-    lib="${pair%%:*}" pkg="${pair##*:}"
-    grep -qF "$lib " <<<"$ld_cache" || missing+=("$pkg")
-done
-if [ "${#missing[@]}" -gt 0 ]; then
-    [ "$(id -u)" -eq 0 ] || die "missing Debian packages: ${missing[*]} (sudo apt-get install -y ${missing[*]})"
-    say "installing Debian packages: ${missing[*]}"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq && apt-get install -y -qq "${missing[@]}" >/dev/null
-fi
+# --- Debian libraries for mooncake's engine.so ------------------------------------------------------------
+source "$(dirname "${BASH_SOURCE[0]}")/debian-libs.sh"
+ensure_debian_libs
 
 # --- 1. the SGLang base venv (once per machine and recipe) ---------------------------------------------
 base_valid() {

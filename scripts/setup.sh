@@ -41,24 +41,8 @@ else
 fi
 
 # --- 2. Debian libraries for mooncake's engine.so ------------------------------------------------------
-# Read the linker cache once: `ldconfig -p | grep -q` under pipefail can fail spuriously (SIGPIPE).
-LDCONFIG="$(command -v ldconfig || echo /sbin/ldconfig)"
-ld_cache="$("$LDCONFIG" -p 2>/dev/null || true)"
-missing=()
-for pair in libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1 libcurl.so.4:libcurl4; do
-    lib="${pair%%:*}" pkg="${pair##*:}"
-    grep -qF "$lib " <<<"$ld_cache" || missing+=("$pkg")
-done
-if [ "${#missing[@]}" -gt 0 ]; then
-    if [ "$(id -u)" -ne 0 ]; then
-        say "missing Debian packages: ${missing[*]}. Install them with:"
-        printf '    sudo apt-get update && sudo apt-get install -y %s\n' "${missing[*]}" >&2
-        exit 1
-    fi
-    say "installing Debian packages: ${missing[*]}"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq && apt-get install -y -qq "${missing[@]}" >/dev/null
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/debian-libs.sh"
+ensure_debian_libs
 
 # --- 3. pip packages -------------------------------------------------------------------------------
 if [ "$new_venv" -eq 0 ] && [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ] && [ "$STAMP" -nt scripts/setup.sh ]; then

@@ -439,7 +439,6 @@ class _SharedNative:
         self.module = module
         self.flags = dict(flags)
         self.refs = 0
-        self.connected: set[str] = set()
         self.known: set[str] = set()
         """Peers the engine has fetched a descriptor for (it keeps them for its lifetime)."""
         self.names: dict[str, str] = {}
@@ -611,7 +610,6 @@ class MooncakeEngine:
                 raise EngineError(f"Mooncake peer {peer} is unreachable (send_probe returned {rc})", code=rc)
         if probe_addr > 0:
             self._handshake(peer, probe_addr)
-        s.connected.add(peer)
         s.known.add(peer)
 
     def _handshake(self, peer: str, probe_addr: int) -> None:
@@ -650,7 +648,8 @@ class MooncakeEngine:
         )
 
     def forget_peer(self, peer: str) -> None:
-        self._shared.connected.discard(peer)
+        """Nothing to drop: the engine keeps a peer's descriptor for its lifetime, and a peer that comes
+        back on the same address is re-fetched by the next handshake (see ``_handshake``)."""
 
     def submit_write(self, peer: str, blocks: Blocks) -> TransferHandle:
         n = len(blocks)

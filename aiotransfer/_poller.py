@@ -153,6 +153,7 @@ class Poller:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._polled: dict[TransferHandle, asyncio.Future[None]] = {}
         self._polled_bytes = 0
+        self._on_done: dict[TransferHandle, Callable[[], None]] = {}
         self._blocking: dict[TransferHandle, asyncio.Future[None]] = {}
         self._credits: dict[str, _Credits] = {}
         self._waiters: dict[str, _Waiter] = {}
@@ -175,8 +176,15 @@ class Poller:
         """Handles still owned by the engine (including those whose awaiter gave up)."""
         return self.in_flight
 
-    async def write(self, peer: str, blocks: Blocks, *, timeout: float | None) -> None:
-        """Write ``blocks`` to ``peer``; returns when every entry landed, raises on failure/timeout."""
+    async def write(
+        self, peer: str, blocks: Blocks, *, timeout: float | None, on_done: Callable[[], None] | None = None
+    ) -> None:
+        """Write ``blocks`` to ``peer``; returns when every entry landed, raises on failure/timeout.
+
+        ``on_done``: called on the loop the moment the engine reports a write of one handle (at most
+        ``max_batch`` entries) done, before this coroutine resumes, and only while it is still waiting (not
+        after a timeout or cancellation). It must not raise or block. Ignored for larger writes.
+        """
         if self._closed:
             raise ClosedError("poller is closed")
         if len(blocks) == 0:
@@ -186,6 +194,8 @@ class Poller:
         deadline = None if timeout is None else loop.time() + timeout
         futures: list[asyncio.Future[None]] = []
         ok = False
+        if on_done is not None and len(blocks) > self.max_batch:
+            on_done = None
         try:
             credits = self._credits_for(peer, loop)
             for piece in split_blocks(blocks, self.max_batch):
@@ -197,6 +207,8 @@ class Poller:
                     credits.release(len(piece))
                     raise
                 futures.append(self._track(handle))
+                if on_done is not None:
+                    self._on_done[handle] = on_done
                 failed = next((f for f in futures if f.done() and f.exception() is not None), None)
                 if failed is not None:
                     raise failed.exception()  # type: ignore[misc]
@@ -314,9 +326,15 @@ class Poller:
         credits = self._credits.get(handle.peer)
         if credits is not None:
             credits.release(handle.entries)
+        on_done = self._on_done.pop(handle, None)
         if handle.status is EngineStatus.DONE:
             self.completed += 1
             if not fut.done():
+                if on_done is not None:
+                    try:
+                        on_done()
+                    except Exception:
+                        log.exception("completion callback failed")
                 fut.set_result(None)
         else:
             self.failed += 1
@@ -367,6 +385,17 @@ async def _wait_all(
     for f in futures:
         if f.done() and f.exception() is not None:
             raise f.exception()  # type: ignore[misc]
+    if len(pending) == 1:
+        # One handle (the common small write): await its future itself, so this task resumes in the loop
+        # iteration right after completion; ``asyncio.wait`` adds a callback round through a helper future.
+        (only,) = pending
+        timer = None if deadline is None else loop.call_at(deadline, _expire, only)
+        try:
+            await only
+        finally:
+            if timer is not None:
+                timer.cancel()
+        return
     while pending:
         timeout = None if deadline is None else max(deadline - loop.time(), 0.0)
         done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
@@ -393,3 +422,8 @@ async def _bounded(
 def _swallow(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         fut.exception()
+
+
+def _expire(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_exception(TransferTimeout("engine transfer exceeded its deadline"))

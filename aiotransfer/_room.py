@@ -20,7 +20,7 @@ class RoomSide:
         self._status = KVPoll.Bootstrapping
         self._reason: str | None = None
         self._created = time.monotonic()
-        self._change: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters: set[asyncio.Future[None]] = set()
 
     def poll(self) -> KVPoll:
         """Current status; the first terminal status is latched and returned forever after."""
@@ -36,17 +36,30 @@ class RoomSide:
         self._status = status
         if status is KVPoll.Failed and self._reason is None:
             self._reason = reason or "failed"
-        if not self._change.done():
-            self._change.set_result(None)
+        for fut in self._waiters:
+            _wake(fut)
 
     async def _wait_until(self, predicate: Callable[[], bool], deadline: float) -> bool:
-        """Wait (without creating tasks) until ``predicate()`` holds or the loop time reaches ``deadline``."""
+        """Wait (without creating tasks) until ``predicate()`` holds or the loop time reaches ``deadline``.
+
+        Each wait awaits a future of its own, resolved directly by the status change or by one timer: the
+        waiting task resumes in the loop iteration right after the change, and cancelling it touches no other
+        waiter (``asyncio.wait`` / ``wait_for`` would add a callback round through a helper future)."""
         loop = asyncio.get_running_loop()
         while not predicate():
-            remaining = deadline - loop.time()
-            if remaining <= 0:
+            if loop.time() >= deadline:
                 return False
-            if self._change.done():
-                self._change = loop.create_future()
-            await asyncio.wait({self._change}, timeout=remaining)
+            fut = loop.create_future()
+            timer = loop.call_at(deadline, _wake, fut)
+            self._waiters.add(fut)
+            try:
+                await fut
+            finally:
+                self._waiters.discard(fut)
+                timer.cancel()
         return True
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)

@@ -9,7 +9,7 @@ import logging
 import secrets
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -680,9 +680,12 @@ class KVManager:
 
     # -- prefill side: transfers ---------------------------------------------------------------
     async def _write_kv(
-        self, peer: _DecodePeer, src: np.ndarray, dst: np.ndarray, *, timeout: float, room: int, dst_start: int = 0
+        self, peer: _DecodePeer, src: np.ndarray, dst: np.ndarray, *, timeout: float, room: int, dst_start: int = 0,
+        on_done: Callable[[], None] | None = None,
     ) -> None:
-        await self._write_kv_inner(peer, src, dst, timeout=timeout, room=room, dst_start=dst_start)
+        """``on_done`` (direct writes only) runs on the loop as soon as the engine reports the write done,
+        before the awaiting task resumes."""
+        await self._write_kv_inner(peer, src, dst, timeout=timeout, room=room, dst_start=dst_start, on_done=on_done)
         if self.config.checksum:
             await self._checksum_add(peer, room, src, timeout)
 
@@ -739,7 +742,8 @@ class KVManager:
         return None
 
     async def _write_kv_inner(
-        self, peer: _DecodePeer, src: np.ndarray, dst: np.ndarray, *, timeout: float, room: int, dst_start: int
+        self, peer: _DecodePeer, src: np.ndarray, dst: np.ndarray, *, timeout: float, room: int, dst_start: int,
+        on_done: Callable[[], None] | None = None,
     ) -> None:
         assert self._poller is not None
         pairing = peer.pairing
@@ -755,7 +759,7 @@ class KVManager:
         else:
             blocks = self._plan_kv(peer, src, dst)
         try:
-            await self._poller.write(peer.session_id, blocks, timeout=timeout)
+            await self._poller.write(peer.session_id, blocks, timeout=timeout, on_done=on_done)
         except EngineError as exc:
             raise TransferFailed(f"engine transfer to {peer.endpoint} failed: {exc}", room=room) from exc
         self.counters["kv_bytes_sent"] += blocks.nbytes
@@ -1048,11 +1052,25 @@ class KVManager:
         assert self._control is not None
         loop = asyncio.get_running_loop()
         for d in dsts:
-            checksum, slices = self._checksum_fields(tx.room, d.peer)
-            msg = Status(room=tx.room, status=int(KVPoll.Success), rank=self._rank_id(), endpoint=self.endpoint,
-                         aux_path=tx.aux_path or "", checksum=checksum, slices=slices)
-            await self._control.send(d.peer.endpoint, msg, timeout=max(deadline - loop.time(), 0.001))
+            await self._control.send(d.peer.endpoint, self._success_msg(tx, d.peer),
+                                     timeout=max(deadline - loop.time(), 0.001), yield_cpu=self._yield_after_notify())
         self._tx_update(tx.room, KVPoll.Success)
+
+    def _success_msg(self, tx: KVSender, peer: _DecodePeer) -> Status:
+        checksum, slices = self._checksum_fields(tx.room, peer)
+        return Status(room=tx.room, status=int(KVPoll.Success), rank=self._rank_id(), endpoint=self.endpoint,
+                      aux_path=tx.aux_path or "", checksum=checksum, slices=slices)
+
+    def _try_conclude_now(self, tx: KVSender, peer: _DecodePeer) -> bool:
+        """Send Success to the room's only decode rank without waiting, from the completion of its last KV
+        write (see :meth:`KVSender._conclude_on_completion`); False when the message cannot leave at once."""
+        if self._control is None or self._closed:
+            return False
+        return self._control.try_send(peer.endpoint, self._success_msg(tx, peer), yield_cpu=self._yield_after_notify())
+
+    def _yield_after_notify(self) -> bool:
+        """Yield the CPU to ZMQ's I/O thread after a Success only when no transfer of ours waits for the loop."""
+        return self.config.yield_after_notify and (self._poller is None or self._poller.in_flight == 0)
 
     async def _notify_failure(self, room: int, endpoints: list[str], reason: str) -> None:
         if self._control is None or self._closed:

@@ -237,7 +237,7 @@ class KVSender(RoomSide):
         self._chunks_in_flight += 1
         t0 = time.monotonic()
         try:
-            await self._run_or_fail(self._run_chunk(src, start, t))
+            await self._run_or_fail(self._run_chunk(src, start, t, conclude=last))
             m.metrics.observe("send_kv", time.monotonic() - t0)
             if last:
                 await self._run_or_fail(self._finish(t))
@@ -245,13 +245,17 @@ class KVSender(RoomSide):
             self._chunks_in_flight -= 1
             self._chunk_finished.set()
 
-    async def _run_chunk(self, src: np.ndarray, start: int, timeout: float) -> None:
+    async def _run_chunk(self, src: np.ndarray, start: int, timeout: float, conclude: bool = False) -> None:
         real = [d for d in self._dsts.values() if not d.is_dummy]
         if not real or src.size == 0:
             return
+        on_done = None
+        if conclude and len(real) == 1 and not self._m.config.checksum:
+            peer = real[0].peer
+            on_done = lambda: self._conclude_on_completion(peer)  # noqa: E731
         coros = [
             self._m._write_kv(d.peer, src, d.kv_indices[start : start + src.size], timeout=timeout, room=self.room,
-                              dst_start=start)
+                              dst_start=start, on_done=on_done)
             for d in real
         ]
         if len(coros) == 1:
@@ -276,6 +280,21 @@ class KVSender(RoomSide):
         self._raise_if_failed()
         self._kv_done = True
         await self._maybe_conclude(deadline)
+
+    def _conclude_on_completion(self, peer: _DecodePeer) -> None:
+        """The last chunk's engine write just completed: when nothing else is owed (no other chunk in flight,
+        aux and state delivered or not declared), Success leaves for the decode rank right here instead of
+        after this task resumes, which takes the resumption off the decode's critical path. Anything else,
+        or a message that cannot leave at once, is left to :meth:`_finish`."""
+        if self._status.is_terminal or self._concluding or self._chunks_in_flight != 1:
+            return
+        if (self.needs_aux and not self._aux_sent) or (self.declared_state and not self._state_sent):
+            return
+        if self._m._try_conclude_now(self, peer):
+            self._m.counters["success_at_completion"] += 1
+            self._kv_done = True
+            self._concluding = True
+            self._m._tx_update(self.room, KVPoll.Success)
 
     async def _maybe_conclude(self, deadline: float) -> None:
         """Success once the last KV chunk, the declared aux and the declared state have all landed."""

@@ -89,3 +89,89 @@ async def test_spins_only_while_little_is_queued(count: int, nbytes: int, spins:
 
 def test_spin_thresholds_are_the_documented_ones() -> None:
     assert _poller._SPIN_DEPTH == 2 and _poller._SPIN_BYTES == 1 << 20
+
+
+def _held_poller(engine: HeldEngine, offloader: Offloader, max_batch: int = 1024) -> Poller:
+    return Poller(cast(TransferEngine, engine), offloader, max_in_flight=1024, max_batch=max_batch,
+                  interval_min=0.0001, interval_max=0.001)
+
+
+async def test_on_done_runs_at_completion_before_the_writer_resumes() -> None:
+    engine, offloader = HeldEngine(), Offloader("poller-test", 1)
+    poller = _held_poller(engine, offloader)
+    order: list[str] = []
+
+    async def writer() -> None:
+        await poller.write("peer", _one_entry(4096), timeout=5, on_done=lambda: order.append("on_done"))
+        order.append("resumed")
+
+    task = asyncio.ensure_future(writer())
+    try:
+        while poller.in_flight < 1:
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.01)
+        assert order == []  # nothing before the engine reports the write done
+        engine.released = True
+        await asyncio.wait_for(task, 5)
+        assert order == ["on_done", "resumed"]
+    finally:
+        await poller.aclose(1.0)
+        offloader.shutdown(wait=False)
+
+
+@pytest.mark.parametrize("how", ["timeout", "cancel"])
+async def test_on_done_is_not_called_once_the_writer_gave_up(how: str) -> None:
+    engine, offloader = HeldEngine(), Offloader("poller-test", 1)
+    poller = _held_poller(engine, offloader)
+    calls: list[int] = []
+    task = asyncio.ensure_future(
+        poller.write("peer", _one_entry(4096), timeout=0.05 if how == "timeout" else 5, on_done=lambda: calls.append(1))
+    )
+    try:
+        while poller.in_flight < 1:
+            await asyncio.sleep(0)
+        if how == "cancel":
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        else:
+            with pytest.raises(_poller.TransferTimeout):
+                await task
+        assert poller.pinned == 1  # the engine still owns the transfer
+        engine.released = True
+        while poller.in_flight:
+            await asyncio.sleep(0.001)
+        assert calls == [] and poller.completed == 1
+    finally:
+        await poller.aclose(1.0)
+        offloader.shutdown(wait=False)
+
+
+async def test_on_done_is_ignored_for_writes_split_into_several_handles() -> None:
+    engine, offloader = HeldEngine(), Offloader("poller-test", 1)
+    poller = _held_poller(engine, offloader, max_batch=1)
+    calls: list[int] = []
+    two = Blocks(np.array([0, 8192], np.uint64), np.array([0, 8192], np.uint64), np.array([4096, 4096], np.uint64))
+    engine.released = True
+    try:
+        await asyncio.wait_for(poller.write("peer", two, timeout=5, on_done=lambda: calls.append(1)), 5)
+        assert calls == [] and poller.completed == 2
+    finally:
+        await poller.aclose(1.0)
+        offloader.shutdown(wait=False)
+
+
+async def test_a_raising_on_done_still_completes_the_write(caplog: pytest.LogCaptureFixture) -> None:
+    engine, offloader = HeldEngine(), Offloader("poller-test", 1)
+    poller = _held_poller(engine, offloader)
+    engine.released = True
+
+    def boom() -> None:
+        raise RuntimeError("boom")
+
+    try:
+        await asyncio.wait_for(poller.write("peer", _one_entry(4096), timeout=5, on_done=boom), 5)
+        assert poller.completed == 1 and "completion callback failed" in caplog.text
+    finally:
+        await poller.aclose(1.0)
+        offloader.shutdown(wait=False)

@@ -236,3 +236,34 @@ def test_property_latch_is_first_terminal(statuses: list[KVPoll]) -> None:
         assert seen[:first] == statuses[:first]
         assert all(s is statuses[first] for s in seen[first:])
         assert latch.latched is statuses[first]
+
+
+# -- waiting for a status change (RoomSide._wait_until) ------------------------------------------------
+
+
+async def test_room_waiters_wake_on_change_and_time_out_without_leftovers() -> None:
+    import asyncio
+
+    from aiotransfer._room import RoomSide
+
+    room = RoomSide(7)
+    loop = asyncio.get_running_loop()
+    terminal = lambda: room._status.is_terminal  # noqa: E731
+    a = asyncio.ensure_future(room._wait_until(terminal, loop.time() + 5))
+    b = asyncio.ensure_future(room._wait_until(terminal, loop.time() + 5))
+    await asyncio.sleep(0)
+    assert len(room._waiters) == 2
+    b.cancel()  # one waiter giving up leaves the other waiting
+    await asyncio.sleep(0)
+    assert not a.done() and len(room._waiters) == 1
+    room._set_status(KVPoll.Transferring)  # not what ``a`` waits for: it re-arms
+    await asyncio.sleep(0)
+    assert not a.done()
+    room._set_status(KVPoll.Success)
+    assert await asyncio.wait_for(a, 1) is True
+    assert room._waiters == set()
+    t0 = loop.time()
+    assert await RoomSide(8)._wait_until(lambda: False, t0 + 0.02) is False
+    assert 0.015 < loop.time() - t0 < 1.0
+    live = [h for h in loop._scheduled if not h.cancelled()]  # type: ignore[attr-defined]
+    assert live == []  # no timer left behind

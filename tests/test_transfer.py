@@ -316,3 +316,37 @@ async def test_back_to_back_buffers_merge_across_layers(engine: str) -> None:
         await rx.done(timeout=10)
         assert p.stats()["kv_entries_sent"] == 5  # 4 layers x 2 pages, joined at 3 layer boundaries
         assert (dst[:, [0, 7]] == src[:, [0, 7]]).all()
+
+
+@pytest.mark.parametrize("yield_after_notify", [True, False])
+async def test_success_leaves_at_completion_and_yields_only_when_idle(
+    engine: str, decode: RemotePeer, monkeypatch: pytest.MonkeyPatch, yield_after_notify: bool
+) -> None:
+    """A one-chunk room with nothing else owed concludes from the engine completion itself; with nothing else
+    in flight the loop then yields its CPU to ZMQ's I/O thread once, unless configured off."""
+    from aiotransfer import KVArgs, TransferConfig
+    from aiotransfer.control import endpoint
+    from tests.peer import make_buffers
+
+    yields: list[int] = []
+    monkeypatch.setattr(endpoint, "_sched_yield", lambda: yields.append(1))
+    bufs = make_buffers(GEOMETRY["buffers"], PAGES, GEOMETRY["item_len"], seed=5)
+    cfg = TransferConfig(engine=engine, yield_after_notify=yield_after_notify)
+    async with KVManager(KVArgs(bufs, page_size=16, dtype="uint8"), cfg) as mgr:
+        await decode.call("receiver", room=31, peer=mgr.endpoint, pages=[3])
+        tx = mgr.sender(31)
+        await tx.wait_ready(timeout=10)
+        await tx.send_kv([9])
+        assert tx.poll() is KVPoll.Success
+        assert (await decode.call("done", room=31))["status"] == "Success"
+        assert (await decode.call("digest", pages=[3]))["digest"] == expected_digest(bufs, [9])
+        assert mgr.stats()["success_at_completion"] == 1
+        assert yields == ([1] if yield_after_notify else [])
+        # A multi-entry last chunk (one engine batch) concludes the same way.
+        await decode.call("receiver", room=32, peer=mgr.endpoint, pages=list(range(64, 128)))
+        tx = mgr.sender(32)
+        await tx.wait_ready(timeout=10)
+        await tx.send_kv(list(range(64)))
+        assert (await decode.call("done", room=32))["status"] == "Success"
+        assert (await decode.call("digest", pages=list(range(64, 128))))["digest"] == expected_digest(bufs, list(range(64)))
+        assert mgr.stats()["success_at_completion"] == 2

@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import os
 import secrets
 import struct
 import threading
@@ -39,6 +40,9 @@ _HEADER = struct.Struct("<QQd")
 REPLAY_WINDOW = 30.0
 """Seconds a signed message stays acceptable (clock skew between hosts must stay below this)."""
 _MAX_SENDERS = 4096
+
+
+_sched_yield: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
 
 
 def normalize_endpoint(peer: str) -> str:
@@ -129,17 +133,23 @@ class ControlPlane:
         header = _HEADER.pack(self._sender_id, self._counter, time.time())
         return [payload, header, hmac.new(self._key, header + payload, hashlib.sha256).digest()]
 
-    async def send(self, endpoint: str, msg: Message, *, timeout: float) -> None:
-        """Queue ``msg`` to ``endpoint``; waits (bounded) only if the peer's queue is full."""
-        await self.send_frames(endpoint, self.frames(msg), timeout=timeout)
+    async def send(self, endpoint: str, msg: Message, *, timeout: float, yield_cpu: bool = False) -> None:
+        """Queue ``msg`` to ``endpoint``; waits (bounded) only if the peer's queue is full. ``yield_cpu``:
+        as in :meth:`try_send`, when the message was queued at once."""
+        await self.send_frames(endpoint, self.frames(msg), timeout=timeout, yield_cpu=yield_cpu)
 
-    async def send_frames(self, endpoint: str, frames: list[bytes], *, timeout: float) -> None:
+    async def send_frames(
+        self, endpoint: str, frames: list[bytes], *, timeout: float, yield_cpu: bool = False
+    ) -> None:
         """Queue one multipart message; pyzmq tries a non-blocking send first, and only a full peer queue
         makes this wait (bounded by ``timeout``; the message is withdrawn on expiry)."""
         if self._closed:
             raise ClosedError("control plane is closed")
         fut = cast("asyncio.Future[Any]", self._socket(endpoint).send_multipart(frames))
-        if not fut.done():
+        if fut.done():
+            if yield_cpu and fut.exception() is None:
+                _sched_yield()
+        else:
             done, _ = await asyncio.wait({fut}, timeout=timeout)
             if not done:
                 fut.cancel()
@@ -149,6 +159,26 @@ class ControlPlane:
         except zmq.ZMQError as exc:
             raise PeerError(f"cannot send to {endpoint}: {exc}") from exc
         self.sent += 1
+
+    def try_send(self, endpoint: str, msg: Message, *, yield_cpu: bool = False) -> bool:
+        """Hand ``msg`` to ZMQ without waiting, from synchronous code; False (nothing sent) when the
+        message would have to queue behind earlier ones or the peer's queue is full.
+
+        ``yield_cpu``: once the message is queued, yield this thread's CPU (``sched_yield``) so ZMQ's I/O
+        thread, just woken to put the message on the wire, runs now instead of when the event loop next
+        sleeps. On a host with few cores the woken thread is often queued on this very CPU."""
+        if self._closed:
+            return False
+        fut = cast("asyncio.Future[Any]", self._socket(endpoint).send_multipart(self.frames(msg)))
+        if not fut.done():
+            fut.cancel()  # withdrawn: the caller sends it the ordinary way
+            return False
+        if fut.exception() is not None:
+            return False
+        self.sent += 1
+        if yield_cpu:
+            _sched_yield()
+        return True
 
     def forget(self, endpoint: str) -> None:
         sock = self._out.pop(endpoint, None)
@@ -216,6 +246,9 @@ class ControlPlane:
             except Exception:
                 self.dropped["handler-error"] += 1
                 log.exception("control handler failed on %s", type(msg).__name__)
+            # Let the tasks this message woke (a done() waiter...) run before the next receive: re-arming a
+            # pyzmq receive processes libzmq's command mailbox, which costs tens of microseconds.
+            await asyncio.sleep(0)
 
     def _drop(self, cause: str, exc: BaseException) -> None:
         self.dropped[cause] += 1

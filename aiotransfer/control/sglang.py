@@ -237,7 +237,11 @@ class SglangControlPlane(ControlPlane):
             self._spawn(result)
 
     # -- outbound -------------------------------------------------------------------------------
-    async def send(self, endpoint: str, msg: Message, *, timeout: float) -> None:
+    def try_send(self, endpoint: str, msg: Message, *, yield_cpu: bool = False) -> bool:
+        """Never sends: SGLang's frames are built by :meth:`send` only, so callers take that path."""
+        return False
+
+    async def send(self, endpoint: str, msg: Message, *, timeout: float, yield_cpu: bool = False) -> None:
         """Translate one internal message into SGLang's protocol (see the module table)."""
         if isinstance(msg, TopologyQuery):
             self._spawn(self._query_topology(endpoint, msg))
@@ -254,7 +258,7 @@ class SglangControlPlane(ControlPlane):
             await self.send_frames(endpoint, self._metadata_frames(msg), timeout=timeout)
         elif isinstance(msg, Status):
             await self.send_frames(endpoint, [str(msg.room).encode(), str(msg.status).encode(),
-                                        str(self.me.unique_rank).encode()], timeout=timeout)
+                                        str(self.me.unique_rank).encode()], timeout=timeout, yield_cpu=yield_cpu)
         elif isinstance(msg, AuxData):
             await self.send_frames(endpoint, [b"AUX_DATA", str(msg.room).encode(), str(msg.buffer).encode(),
                                         str(msg.index).encode(), struct.pack(">I", len(msg.data)), msg.data], timeout=timeout)

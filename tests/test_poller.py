@@ -17,6 +17,7 @@ from aiotransfer import _poller
 from aiotransfer._offload import Offloader
 from aiotransfer._poller import Poller
 from aiotransfer.engines.base import EngineStatus, TransferEngine, TransferHandle, WaitMode
+from aiotransfer.errors import TransferTimeout
 from aiotransfer.plan import Blocks
 
 WATCH_S = 0.1
@@ -135,7 +136,7 @@ async def test_on_done_is_not_called_once_the_writer_gave_up(how: str) -> None:
             with pytest.raises(asyncio.CancelledError):
                 await task
         else:
-            with pytest.raises(_poller.TransferTimeout):
+            with pytest.raises(TransferTimeout):
                 await task
         assert poller.pinned == 1  # the engine still owns the transfer
         engine.released = True

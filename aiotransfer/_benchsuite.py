@@ -148,6 +148,8 @@ class Params:
     engine, and the library's default (1,024 per manager and peer) lets P x 1,024 entries queue to the
     same decode segment, which Mooncake fails (-1). False reproduces that."""
     phases: list[str] | None = None
+    engine_threads: str = "normal"
+    """``TransferConfig.engine_threads`` of every manager of the run, on both sides."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -158,7 +160,7 @@ class Params:
 
 
 def make_params(*, quick: bool, tiny: bool, repeats: int | None, seed: int, host: str,
-                phases: Sequence[str] | None, tp_split_credits: bool = True) -> Params:
+                phases: Sequence[str] | None, tp_split_credits: bool = True, engine_threads: str = "normal") -> Params:
     if tiny:
         p = Params(
             scale="tiny", repeats=1, sizes=[64 * KIB, MIB], sizes_nixl_tcp=[MIB], scattered_pages=512,
@@ -178,6 +180,7 @@ def make_params(*, quick: bool, tiny: bool, repeats: int | None, seed: int, host
         p.repeats = repeats
     p.seed, p.host = seed, host
     p.phases = list(phases) if phases else None
+    p.engine_threads = engine_threads
     p.tp_split_credits = tp_split_credits
     return p
 
@@ -594,7 +597,8 @@ async def _decode_worker(ns: argparse.Namespace) -> int:
     async def setup(cmd: dict[str, Any]) -> dict[str, Any]:
         name = cmd["name"]
         await close_setup(name)
-        cfg = TransferConfig(engine=spec.engine, hostname=params.host, **cmd.get("cfg", {}))
+        cfg = TransferConfig(engine=spec.engine, hostname=params.host, engine_threads=params.engine_threads,
+                             **cmd.get("cfg", {}))
         pools: list[KVPool] = []
         auxes: list[npt.NDArray[np.uint8]] = []
         mgrs: list[Any] = []
@@ -809,7 +813,8 @@ class _Ctx:
     def config(self, **overrides: Any) -> Any:
         from . import TransferConfig
 
-        return TransferConfig(engine=self.spec.engine, hostname=self.params.host, **overrides)
+        return TransferConfig(engine=self.spec.engine, hostname=self.params.host,
+                              **{"engine_threads": self.params.engine_threads, **overrides})
 
     async def flat(self, name: str, *, pages: int, page_bytes: int, n: int = 1,
                    cfgs: Sequence[dict[str, Any]] | None = None, aux_slots: int = 0,
@@ -1620,7 +1625,8 @@ def run_suite(ns: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         params = make_params(quick=ns.quick, tiny=ns.tiny, repeats=ns.repeats_given, seed=ns.seed, host=ns.host,
-                             phases=phases, tp_split_credits=not ns.tp_library_credits)
+                             phases=phases, tp_split_credits=not ns.tp_library_credits,
+                             engine_threads=ns.engine_threads)
         try:
             res = asyncio.run(_suite_main(params, engines, ns.quick or ns.tiny))
         except KeyboardInterrupt:

@@ -601,6 +601,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     full.add_argument("--tp-library-credits", action="store_true",
                       help="TP figure: keep the library's default engine credits (1,024 per peer, shared by the 4 "
                            "prefill managers of the one Mooncake engine) instead of 256")
+    full.add_argument("--engine-threads", choices=("normal", "background"), default="normal",
+                      help="TransferConfig.engine_threads of every manager, both sides (default normal)")
     p.add_argument("--role", choices=("prefill", "decode"), default="prefill", help=argparse.SUPPRESS)
 
 

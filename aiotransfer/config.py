@@ -96,6 +96,11 @@ class TransferConfig:
     """Largest control message accepted."""
     executor_threads: int = 2
     """Threads of the engine's offload executor; more spinning threads are slower on small hosts."""
+    engine_threads: str = "normal"
+    """``"background"`` runs the native engine's own threads under ``SCHED_IDLE`` (Linux): the event loop
+    and every other normal thread preempt them, so the loop stays responsive while transfers saturate the
+    cores, but transfers slow down when all cores are busy with other work. ``"normal"`` leaves them
+    alone. See docs/performance.md."""
     poll_interval_min: float = 0.0001
     poll_interval_max: float = 0.001
     yield_after_notify: bool = True
@@ -169,6 +174,8 @@ class TransferConfig:
                 raise ConfigError("the sglang-mooncake wire profile cannot sign messages (SGLang has no HMAC)")
             if self.checksum:
                 raise ConfigError("the sglang-mooncake wire profile cannot carry checksums")
+        if self.engine_threads not in ("normal", "background"):
+            raise ConfigError(f"engine_threads must be normal or background, got {self.engine_threads!r}")
         if self.staging not in ("auto", "always", "never"):
             raise ConfigError(f"staging must be auto, always or never, got {self.staging!r}")
         if self.staging_bytes < 0:

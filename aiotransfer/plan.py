@@ -25,9 +25,11 @@ __all__ = [
     "check_unique",
     "coalesce_runs",
     "page_runs",
+    "pair_runs",
     "plan_blocks",
     "plan_few",
     "plan_head_slices",
+    "plan_runs",
     "plan_slots",
     "split_blocks",
 ]
@@ -300,12 +302,9 @@ def split_blocks(blocks: Blocks, max_entries: int) -> list[Blocks]:
     ]
 
 
-def plan_few(
-    src_bases: list[int], dst_bases: list[int], item_lens: list[int], src_pages: list[int], dst_pages: list[int]
-) -> Blocks:
-    """:func:`plan_blocks` for a handful of pages, in plain Python: the same entries, without NumPy's fixed
-    cost per call (tens of microseconds, most of a 4 KiB request's planning). Inputs are trusted: bases and
-    lengths validated at registration, pages checked by the caller, ``len(src_pages) == len(dst_pages)``."""
+def pair_runs(src_pages: list[int], dst_pages: list[int]) -> list[list[int]]:
+    """``[src start, dst start, pages]`` for each run of pages consecutive on both sides, in plain Python
+    (for short page lists, where NumPy's fixed cost per call dominates)."""
     runs: list[list[int]] = []
     for s, d in zip(src_pages, dst_pages, strict=True):
         if runs:
@@ -314,6 +313,14 @@ def plan_few(
                 last[2] += 1
                 continue
         runs.append([s, d, 1])
+    return runs
+
+
+def plan_runs(src_bases: list[int], dst_bases: list[int], item_lens: list[int], runs: list[list[int]]) -> Blocks:
+    """:func:`plan_blocks` for page runs from :func:`pair_runs`, in plain Python: the same entries, without
+    NumPy's fixed cost per call (tens of microseconds, most of a small request's planning). Use it when
+    runs x buffers is small. Inputs are trusted: bases and lengths validated at registration, pages checked
+    by the caller."""
     srcs: list[int] = []
     dsts: list[int] = []
     lens: list[int] = []
@@ -327,6 +334,13 @@ def plan_few(
                 dsts.append(b)
                 lens.append(length)
     return Blocks(np.array(srcs, dtype=np.uint64), np.array(dsts, dtype=np.uint64), np.array(lens, dtype=np.uint64))
+
+
+def plan_few(
+    src_bases: list[int], dst_bases: list[int], item_lens: list[int], src_pages: list[int], dst_pages: list[int]
+) -> Blocks:
+    """:func:`plan_runs` of :func:`pair_runs`: :func:`plan_blocks` in plain Python."""
+    return plan_runs(src_bases, dst_bases, item_lens, pair_runs(src_pages, dst_pages))
 
 
 def plan_head_slices(

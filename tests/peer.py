@@ -130,6 +130,11 @@ class Peer:
         for b in self.kv + self.aux + [x for bufs in self.state.values() for x in bufs]:
             b[...] = 0
 
+    async def op_thread_policies(self, mgr: KVManager) -> dict[str, Any]:
+        from tests.threads import thread_policies
+
+        return {"threads": thread_policies()}
+
     async def op_stats(self, mgr: KVManager) -> dict[str, Any]:
         return {"stats": json.loads(json.dumps(mgr.stats(), default=str))}
 

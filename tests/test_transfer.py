@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from aiotransfer import InvalidArgument, KVManager, KVPoll, TransferFailed, TransferTimeout
+from aiotransfer import InvalidArgument, KVManager, KVPoll, TransferFailed, TransferTimeout, _threads
 from tests.conftest import GEOMETRY, expected_digest
 from tests.remote import RemoteError, RemotePeer
 
@@ -350,3 +350,37 @@ async def test_success_leaves_at_completion_and_yields_only_when_idle(
         assert (await decode.call("done", room=32))["status"] == "Success"
         assert (await decode.call("digest", pages=list(range(64, 128))))["digest"] == expected_digest(bufs, list(range(64)))
         assert mgr.stats()["success_at_completion"] == 2
+
+
+@pytest.mark.skipif(not _threads.supported(), reason="SCHED_IDLE per thread is Linux-only")
+@pytest.mark.parametrize("mode", ["background", "normal"])
+async def test_engine_threads_background_idles_only_the_engines_native_threads(engine: str, mode: str) -> None:
+    """``engine_threads="background"``: the engine's native threads run under SCHED_IDLE on both sides,
+    while the event loop, every Python thread and ZMQ's threads keep the normal policy; bytes still land.
+    Both sides run in processes of their own: the setting holds for the process (its native engine)."""
+    env = {"AIOTRANSFER_ENGINE_THREADS": mode}
+    prefill = await RemotePeer.start(engine, env=env, **GEOMETRY)
+    decode = await RemotePeer.start(engine, env=env, **GEOMETRY)
+    try:
+        await decode.call("zero")
+        await decode.call("receiver", room=41, peer=prefill.endpoint, pages=[7, 8, 30])
+        await prefill.call("sender", room=41)
+        await prefill.call("wait_ready", room=41)
+        await prefill.call("send_kv", room=41, pages=[1, 2, 40])
+        await decode.call("done", room=41)
+        want = (await prefill.call("digest", pages=[1, 2, 40]))["digest"]
+        assert (await decode.call("digest", pages=[7, 8, 30]))["digest"] == want
+        for side, peer in (("prefill", prefill), ("decode", decode)):
+            threads = (await peer.call("thread_policies"))["threads"]
+            idle = [t for t in threads if t["idle"]]
+            for t in idle:
+                assert not (t["python"] or t["main"] or t["name"].startswith("ZMQbg")), (side, t)
+            if mode == "background":
+                assert idle, f"{side}: no engine thread runs in the background: {threads}"
+                # threads the engine starts from an idle thread inherit the policy without being counted
+                assert 1 <= (await peer.call("stats"))["stats"]["engine_threads_background"] <= len(idle)
+            else:
+                assert not idle, (side, idle)
+    finally:
+        await prefill.close()
+        await decode.close()

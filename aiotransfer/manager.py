@@ -1113,8 +1113,15 @@ class KVManager:
         return self._control.try_send(peer.endpoint, self._success_msg(tx, peer), yield_cpu=self._yield_after_notify())
 
     def _yield_after_notify(self) -> bool:
-        """Yield the CPU to ZMQ's I/O thread after a Success only when no transfer of ours waits for the loop."""
-        return self.config.yield_after_notify and (self._poller is None or self._poller.in_flight == 0)
+        """Yield the CPU to ZMQ's I/O thread after a Success only when no transfer of ours waits for the loop,
+        and only on engines whose threads sleep while idle: ``sched_yield`` hands the CPU to any runnable
+        thread, and a spinning one (NIXL over UCX) keeps it for a whole time slice (4 KiB end to end on NIXL
+        shm measured 2.3 ms with the yield, 0.68 ms without)."""
+        return (
+            self.config.yield_after_notify
+            and getattr(self._engine, "quiet_threads", False)
+            and (self._poller is None or self._poller.in_flight == 0)
+        )
 
     async def _notify_failure(self, room: int, endpoints: list[str], reason: str) -> None:
         if self._control is None or self._closed:

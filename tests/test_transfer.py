@@ -323,7 +323,8 @@ async def test_success_leaves_at_completion_and_yields_only_when_idle(
     engine: str, decode: RemotePeer, monkeypatch: pytest.MonkeyPatch, yield_after_notify: bool
 ) -> None:
     """A one-chunk room with nothing else owed concludes from the engine completion itself; with nothing else
-    in flight the loop then yields its CPU to ZMQ's I/O thread once, unless configured off."""
+    in flight the loop then yields its CPU to ZMQ's I/O thread once, unless configured off or the engine
+    has busy threads."""
     from aiotransfer import KVArgs, TransferConfig
     from aiotransfer.control import endpoint
     from tests.peer import make_buffers
@@ -341,7 +342,8 @@ async def test_success_leaves_at_completion_and_yields_only_when_idle(
         assert (await decode.call("done", room=31))["status"] == "Success"
         assert (await decode.call("digest", pages=[3]))["digest"] == expected_digest(bufs, [9])
         assert mgr.stats()["success_at_completion"] == 1
-        assert yields == ([1] if yield_after_notify else [])
+        quiet = getattr(mgr.engine, "quiet_threads", False)  # Mooncake yes; NIXL's UCX threads poll
+        assert yields == ([1] if yield_after_notify and quiet else [])
         # A multi-entry last chunk (one engine batch) concludes the same way.
         await decode.call("receiver", room=32, peer=mgr.endpoint, pages=list(range(64, 128)))
         tx = mgr.sender(32)

@@ -183,6 +183,21 @@ def test_tp_pattern_is_head_sliced_consistently() -> None:
         aux_pattern(5, 300), aux_pattern(6, 300))
 
 
+@pytest.mark.timeout(120)
+def test_engine_threads_background_reaches_both_sides(tmp_path: Path) -> None:
+    """``--engine-threads background`` configures the managers of both processes, and the lag figure runs."""
+    out = tmp_path / "lag.json"
+    proc = _bench("--tiny", "--engines", "mooncake_tcp", "--phases", "lag", "--engine-threads", "background",
+                  "--out", str(out), "--img-dir", "", timeout=110)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["params"]["engine_threads"] == "background"
+    eng = res["engines"]["mooncake_tcp"]
+    assert eng["describe"]["prefill"]["engine_threads"] == eng["describe"]["decode"]["engine_threads"] == "background"
+    lag = eng["phases"]["lag"]
+    assert "error" not in lag and lag["aiotransfer"]["failed"] == 0 and lag["aiotransfer"]["samples"] > 0
+
+
 def test_params_scales() -> None:
     full = make_params(quick=False, tiny=False, repeats=None, seed=0, host="127.0.0.1", phases=None)
     quick = make_params(quick=True, tiny=False, repeats=None, seed=0, host="127.0.0.1", phases=None)
@@ -193,6 +208,10 @@ def test_params_scales() -> None:
     assert tiny.repeats == 3 and tiny.phases == ["tp"] and tiny.seed == 1
     assert set(ALL_PHASES) == {"ceilings"} | {p for e in ENGINES.values() for p in e.phases}
     assert type(full).from_json(full.to_json()) == full
+    assert full.engine_threads == "normal"
+    bg = make_params(quick=True, tiny=False, repeats=None, seed=0, host="127.0.0.1", phases=["lag"],
+                     engine_threads="background")
+    assert type(bg).from_json(bg.to_json()).engine_threads == "background"
 
 
 _LAST_WORDS = """

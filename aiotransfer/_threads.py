@@ -26,6 +26,8 @@ log = logging.getLogger("aiotransfer.threads")
 
 _TASKS = "/proc/self/task"
 _foreign: set[int] | None = None
+_pending: set[int] = set()
+"""Candidates seen by the last call of :func:`background_engine_threads`, not moved yet."""
 _lock = threading.Lock()
 
 
@@ -65,19 +67,34 @@ def thread_policy(tid: int) -> int | None:
         return None
 
 
-def background_engine_threads() -> int:
+def background_engine_threads(*, settled_only: bool = True) -> int:
     """Move the engine's native threads (see the module docstring) to ``SCHED_IDLE``; returns how many moved
-    now. Cheap enough to call periodically (one directory listing and a few small reads)."""
+    now. Cheap enough to call periodically (one directory listing and a few small reads).
+
+    ``settled_only``: move only threads already seen by the previous call. A thread that was just created
+    may not carry its name yet (ZMQ names its threads from inside them) or may not be registered as a
+    Python thread yet; one period later it is. ``False`` right after the engine started, before any other
+    thread (ZMQ's) exists.
+    """
+    global _pending
     if not supported() or _foreign is None:
         return 0
     python = {t.native_id for t in threading.enumerate() if t.native_id is not None}
-    moved = 0
+    candidates = set()
     for tid in _thread_ids() - _foreign - python:
         if thread_policy(tid) in (None, os.SCHED_IDLE) or _name(tid).startswith("ZMQbg"):
             continue
-        try:
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-            moved += 1
-        except OSError as exc:  # gone meanwhile, or not permitted
-            log.debug("thread %d stays at its priority: %s", tid, exc)
-    return moved
+        candidates.add(tid)
+    with _lock:
+        ready = candidates & _pending if settled_only else candidates
+        _pending = candidates - ready
+    return sum(_to_idle(tid) for tid in ready)
+
+
+def _to_idle(tid: int) -> bool:
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    except OSError as exc:  # gone meanwhile, or not permitted
+        log.debug("thread %d stays at its priority: %s", tid, exc)
+        return False
+    return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import logging
 import secrets
 import time
@@ -269,6 +270,8 @@ class KVManager:
             await self._offload.run(self._engine.register, self._regions, timeout=cfg.handshake_timeout,
                                     what="memory registration")
             self._registered = True
+            if cfg.engine_threads == "background" and _threads.supported():
+                await self._background_engine_threads(settled_only=False)  # before ZMQ starts its threads
             self._poller = Poller(
                 self._engine,
                 self._offload,
@@ -285,7 +288,6 @@ class KVManager:
             if cfg.lag_probe_interval > 0:
                 self._spawn(self._probe_loop_lag(cfg.lag_probe_interval), "lag-probe")
             if cfg.engine_threads == "background" and _threads.supported():
-                await self._background_engine_threads()
                 self._spawn(self._keep_engine_threads_background(), "engine-threads")
             if cfg.bootstrap:
                 await self._register_with_leader(cfg.bootstrap)
@@ -491,14 +493,14 @@ class KVManager:
             self._receivers.pop(room, None)
             self.counters[f"rooms_received_{new.name.lower()}"] += 1
 
-    async def _background_engine_threads(self) -> None:
-        moved = await self._offload.run(_threads.background_engine_threads, timeout=self.config.handshake_timeout,
-                                        what="engine thread priority")
+    async def _background_engine_threads(self, *, settled_only: bool = True) -> None:
+        moved = await self._offload.run(functools.partial(_threads.background_engine_threads, settled_only=settled_only),
+                                        timeout=self.config.handshake_timeout, what="engine thread priority")
         if moved:
             self.counters["engine_threads_background"] += moved
 
     async def _keep_engine_threads_background(self) -> None:
-        """Engines may start threads later (a new peer...): catch them at each heartbeat."""
+        """Engines may start threads later (a new peer...): catch them at the second heartbeat that sees them."""
         while True:
             await asyncio.sleep(self.config.heartbeat_interval)
             with contextlib.suppress(AiotransferError):

@@ -10,7 +10,8 @@ nothing and transfers slow down.
 Which threads: those that appeared in this process after the first engine-owning manager started to create
 its engine (``mark_foreign`` snapshot), except Python threads (the library's executor and waiter threads run
 Python code and take the GIL: running them at idle priority could stall the loop behind them) and ZMQ's.
-Threads that other native libraries start at the same time would be caught as well.
+Threads that other native libraries start at the same time would be caught as well. A thread started after
+the engine's start is moved only once a second sweep has seen it (see :func:`background_engine_threads`).
 """
 
 from __future__ import annotations

@@ -264,6 +264,11 @@ class Poller:
     ) -> TransferHandle:
         if len(piece) <= self.inline_submit_max:
             return self.engine.submit_write(peer, piece)
+        try_inline = getattr(self.engine, "try_submit_inline", None)
+        if try_inline is not None:
+            inline: TransferHandle | None = try_inline(peer, piece)
+            if inline is not None:
+                return inline
         cfut = self.offloader.submit(self.engine.submit_write, peer, piece)
         afut = asyncio.wrap_future(cfut, loop=loop)
         try:

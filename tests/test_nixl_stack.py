@@ -47,3 +47,67 @@ async def test_nixl_managers_loopback_scattered_two_chunks() -> None:
         untouched = sorted(set(range(PAGES)) - set(dst_pages))
         assert not any(d[untouched].any() for d in dst)
         assert prefill.stats()["engine_failed"] == 0
+
+
+async def test_nixl_small_writes_post_from_the_loop_only_when_the_agent_is_free(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A small write is posted from the event loop when the agent lock is free; while another thread holds
+    it, the attempt returns at once and the write goes through the executor. Bytes land either way."""
+    import asyncio
+    import threading
+
+    _nixl_or_skip()
+    rng = np.random.default_rng(12)
+    src = [rng.integers(0, 256, (PAGES, ITEM), dtype=np.uint8) for _ in range(BUFFERS)]
+    dst = [np.zeros((PAGES, ITEM), dtype=np.uint8) for _ in range(BUFFERS)]
+    cfg = TransferConfig(engine="nixl", hostname="127.0.0.1", handshake_timeout=10.0)
+    async with (
+        KVManager(KVArgs(src, page_size=16, dtype="uint8"), cfg) as prefill,
+        KVManager(KVArgs(dst, page_size=16, dtype="uint8"), cfg) as decode,
+    ):
+        eng = prefill.engine
+        attempts: list[tuple[int, bool]] = []
+        original = eng.try_submit_inline  # type: ignore[attr-defined]
+
+        def spy(peer: str, blocks: object) -> object:
+            handle = original(peer, blocks)
+            attempts.append((blocks.nbytes, handle is not None))  # type: ignore[attr-defined]
+            return handle
+
+        monkeypatch.setattr(eng, "try_submit_inline", spy)
+
+        async def room(n: int, src_page: int, dst_page: int) -> None:
+            tx, rx = prefill.sender(n), decode.receiver(n, peer=prefill.endpoint)
+            await rx.send_metadata([dst_page], timeout=10)
+            await tx.wait_ready(timeout=10)
+            await tx.send_kv([src_page], timeout=10)
+            await rx.done(timeout=10)
+            for s, d in zip(src, dst, strict=True):
+                np.testing.assert_array_equal(d[dst_page], s[src_page])
+
+        await room(1, 5, 9)
+        assert attempts[-1] == (BUFFERS * ITEM, True)  # one page of each buffer: posted inline
+
+        held, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with eng._lock:  # type: ignore[attr-defined]
+                held.set()
+                release.wait(5)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        held.wait(5)
+        task = asyncio.ensure_future(room(2, 6, 10))
+        ticks = 0
+        while not attempts or attempts[-1][1]:  # until the inline attempt has been refused
+            await asyncio.sleep(0.001)
+            ticks += 1
+            assert ticks < 5000
+        assert attempts[-1] == (BUFFERS * ITEM, False)
+        await asyncio.sleep(0.05)
+        assert not task.done()  # waiting for the agent on the executor, not on the loop
+        release.set()
+        await asyncio.wait_for(task, 10)
+        holder.join(5)

@@ -156,30 +156,34 @@ async def test_aux_via_tcp_forced_by_env(engine: str) -> None:
         await prefill.close()
 
 
-async def test_engine_aux_failure_falls_back_to_tcp(hybrid_prefill: KVManager, hybrid_decode: RemotePeer) -> None:
+async def test_engine_aux_failure_falls_back_to_tcp(
+    hybrid_prefill: KVManager, hybrid_decode: RemotePeer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     engine = hybrid_prefill.engine
     aux_spans = [(b.ptr, b.ptr + b.nbytes) for b in hybrid_prefill.args.aux]
-    real_submit = engine.submit_write
 
-    def failing_submit(peer, blocks):
-        if any(lo <= int(blocks.src[0]) < hi for lo, hi in aux_spans):
-            raise EngineError("injected aux engine failure")
-        return real_submit(peer, blocks)
+    def failing(real):
+        def submit(peer, blocks):
+            if any(lo <= int(blocks.src[0]) < hi for lo, hi in aux_spans):
+                raise EngineError("injected aux engine failure")
+            return real(peer, blocks)
 
-    engine.submit_write = failing_submit  # type: ignore[method-assign]
-    try:
-        tx = await _open(hybrid_prefill, hybrid_decode, 5)
-        await tx.send_kv(list(range(8)))
-        await tx.send_aux(4)
-        assert tx.aux_path == "tcp"
-        await hybrid_decode.call("done", room=5)
-        assert (await hybrid_decode.call("aux_digest", slots=[3]))["digest"] == expected_digest(
-            hybrid_prefill.args.aux_buffers, [4]
-        )
-        assert hybrid_prefill.stats()["aux_fallback"] == 1
-        assert (await hybrid_decode.call("aux_path", room=5))["path"] == "tcp"
-    finally:
-        engine.submit_write = real_submit  # type: ignore[method-assign]
+        return submit
+
+    # every way a write reaches the engine: the executor path and NIXL's inline path for small writes
+    for name in ("submit_write", "try_submit_inline"):
+        if hasattr(engine, name):
+            monkeypatch.setattr(engine, name, failing(getattr(engine, name)))
+    tx = await _open(hybrid_prefill, hybrid_decode, 5)
+    await tx.send_kv(list(range(8)))
+    await tx.send_aux(4)
+    assert tx.aux_path == "tcp"
+    await hybrid_decode.call("done", room=5)
+    assert (await hybrid_decode.call("aux_digest", slots=[3]))["digest"] == expected_digest(
+        hybrid_prefill.args.aux_buffers, [4]
+    )
+    assert hybrid_prefill.stats()["aux_fallback"] == 1
+    assert (await hybrid_decode.call("aux_path", room=5))["path"] == "tcp"
 
 
 # -- state ------------------------------------------------------------------------------------

@@ -10,8 +10,8 @@ nothing and transfers slow down.
 Which threads: those that appeared in this process after the first engine-owning manager started to create
 its engine (``mark_foreign`` snapshot), except Python threads (the library's executor and waiter threads run
 Python code and take the GIL: running them at idle priority could stall the loop behind them) and ZMQ's.
-Threads that other native libraries start at the same time would be caught as well. A thread started after
-the engine's start is moved only once a second sweep has seen it (see :func:`background_engine_threads`).
+Threads that other native libraries start at the same time would be caught as well. A thread is moved only
+once two sweeps in a row have seen it (see :func:`background_engine_threads`).
 """
 
 from __future__ import annotations
@@ -68,28 +68,32 @@ def thread_policy(tid: int) -> int | None:
         return None
 
 
-def background_engine_threads(*, settled_only: bool = True) -> int:
+def background_engine_threads() -> int:
     """Move the engine's native threads (see the module docstring) to ``SCHED_IDLE``; returns how many moved
     now. Cheap enough to call periodically (one directory listing and a few small reads).
 
-    ``settled_only``: move only threads already seen by the previous call. A thread that was just created
+    A thread moves only once two calls in a row have seen it as a candidate: a thread that was just created
     may not carry its name yet (ZMQ names its threads from inside them) or may not be registered as a
-    Python thread yet; one period later it is. ``False`` right after the engine started, before any other
-    thread (ZMQ's) exists.
+    Python thread yet; by the next call it is.
     """
     global _pending
     if not supported() or _foreign is None:
         return 0
-    python = {t.native_id for t in threading.enumerate() if t.native_id is not None}
     candidates = set()
-    for tid in _thread_ids() - _foreign - python:
+    for tid in _thread_ids() - _foreign:
         if thread_policy(tid) in (None, os.SCHED_IDLE) or _name(tid).startswith("ZMQbg"):
             continue
         candidates.add(tid)
+    candidates -= _python_threads()  # listed after the directory: a thread registered meanwhile is excluded
     with _lock:
-        ready = candidates & _pending if settled_only else candidates
+        ready = candidates & _pending
         _pending = candidates - ready
-    return sum(_to_idle(tid) for tid in ready)
+    return sum(_to_idle(tid) for tid in ready - _python_threads())
+
+
+def _python_threads() -> set[int]:
+    """Threads started by Python's ``threading`` (not native threads that merely called into Python)."""
+    return {t.native_id for t in threading.enumerate() if t.native_id is not None}
 
 
 def _to_idle(tid: int) -> bool:

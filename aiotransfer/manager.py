@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import functools
 import logging
 import secrets
 import time
@@ -271,7 +270,7 @@ class KVManager:
                                     what="memory registration")
             self._registered = True
             if cfg.engine_threads == "background" and _threads.supported():
-                await self._background_engine_threads(settled_only=False)  # before ZMQ starts its threads
+                await self._background_engine_threads()  # first look, before ZMQ starts its threads
             self._poller = Poller(
                 self._engine,
                 self._offload,
@@ -493,16 +492,19 @@ class KVManager:
             self._receivers.pop(room, None)
             self.counters[f"rooms_received_{new.name.lower()}"] += 1
 
-    async def _background_engine_threads(self, *, settled_only: bool = True) -> None:
-        moved = await self._offload.run(functools.partial(_threads.background_engine_threads, settled_only=settled_only),
-                                        timeout=self.config.handshake_timeout, what="engine thread priority")
+    async def _background_engine_threads(self) -> None:
+        moved = await self._offload.run(_threads.background_engine_threads, timeout=self.config.handshake_timeout,
+                                        what="engine thread priority")
         if moved:
             self.counters["engine_threads_background"] += moved
 
     async def _keep_engine_threads_background(self) -> None:
-        """Engines may start threads later (a new peer...): catch them at the second heartbeat that sees them."""
+        """Move the engine's threads 0.2 s after start (a second look), then catch threads the engine starts
+        later (a new peer...) at the second heartbeat that sees them."""
+        delay = min(0.2, self.config.heartbeat_interval)
         while True:
-            await asyncio.sleep(self.config.heartbeat_interval)
+            await asyncio.sleep(delay)
+            delay = self.config.heartbeat_interval
             with contextlib.suppress(AiotransferError):
                 await self._background_engine_threads()
 

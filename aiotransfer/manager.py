@@ -255,12 +255,12 @@ class KVManager:
         if self._closed:
             raise ClosedError("manager is closed")
         cfg = self.config
+        background = cfg.engine_threads == "background" and _threads.supported()
+        if cfg.engine_threads == "background" and not background:
+            log.warning("engine_threads='background' needs Linux SCHED_IDLE; engine threads stay normal")
         try:
-            if cfg.engine_threads == "background":
-                if _threads.supported():
-                    _threads.mark_foreign()  # before the engine starts its threads
-                else:
-                    log.warning("engine_threads='background' needs Linux SCHED_IDLE; engine threads stay normal")
+            if background:
+                _threads.mark_foreign()  # before the engine starts its threads
             if self._engine is None:
                 # create_engine runs on an executor thread whose initializer already bound the device
                 self._engine = await self._offload.run(
@@ -269,7 +269,7 @@ class KVManager:
             await self._offload.run(self._engine.register, self._regions, timeout=cfg.handshake_timeout,
                                     what="memory registration")
             self._registered = True
-            if cfg.engine_threads == "background" and _threads.supported():
+            if background:
                 await self._background_engine_threads()  # first look, before ZMQ starts its threads
             self._poller = Poller(
                 self._engine,
@@ -286,7 +286,7 @@ class KVManager:
             self._liveness.start()
             if cfg.lag_probe_interval > 0:
                 self._spawn(self._probe_loop_lag(cfg.lag_probe_interval), "lag-probe")
-            if cfg.engine_threads == "background" and _threads.supported():
+            if background:
                 self._spawn(self._keep_engine_threads_background(), "engine-threads")
             if cfg.bootstrap:
                 await self._register_with_leader(cfg.bootstrap)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -251,8 +252,7 @@ class KVSender(RoomSide):
             return
         on_done = None
         if conclude and len(real) == 1 and not self._m.config.checksum:
-            peer = real[0].peer
-            on_done = lambda: self._conclude_on_completion(peer)  # noqa: E731
+            on_done = functools.partial(self._conclude_on_completion, real[0].peer)
         coros = [
             self._m._write_kv(d.peer, src, d.kv_indices[start : start + src.size], timeout=timeout, room=self.room,
                               dst_start=start, on_done=on_done)
@@ -281,14 +281,17 @@ class KVSender(RoomSide):
         self._kv_done = True
         await self._maybe_conclude(deadline)
 
+    @property
+    def _extras_delivered(self) -> bool:
+        """Aux and state are delivered, or were not declared by decode."""
+        return not (self.needs_aux and not self._aux_sent) and not (self.declared_state and not self._state_sent)
+
     def _conclude_on_completion(self, peer: _DecodePeer) -> None:
         """The last chunk's engine write just completed: when nothing else is owed (no other chunk in flight,
         aux and state delivered or not declared), Success leaves for the decode rank right here instead of
         after this task resumes, which takes the resumption off the decode's critical path. Anything else,
         or a message that cannot leave at once, is left to :meth:`_finish`."""
-        if self._status.is_terminal or self._concluding or self._chunks_in_flight != 1:
-            return
-        if (self.needs_aux and not self._aux_sent) or (self.declared_state and not self._state_sent):
+        if self._status.is_terminal or self._concluding or self._chunks_in_flight != 1 or not self._extras_delivered:
             return
         if self._m._try_conclude_now(self, peer):
             self._m.counters["success_at_completion"] += 1
@@ -298,11 +301,7 @@ class KVSender(RoomSide):
 
     async def _maybe_conclude(self, deadline: float) -> None:
         """Success once the last KV chunk, the declared aux and the declared state have all landed."""
-        if self._concluding or not self._kv_done:
-            return
-        if self.needs_aux and not self._aux_sent:
-            return
-        if self.declared_state and not self._state_sent:
+        if self._concluding or not self._kv_done or not self._extras_delivered:
             return
         self._concluding = True
         await self._m._conclude_success(self, self._real_dsts(), deadline)

@@ -99,8 +99,9 @@ class TransferConfig:
     engine_threads: str = "normal"
     """``"background"`` runs the native engine's own threads under ``SCHED_IDLE`` (Linux): the event loop
     and every other normal thread preempt them, so the loop stays responsive while transfers saturate the
-    cores, but transfers slow down when all cores are busy with other work. ``"normal"`` leaves them
-    alone. See docs/performance.md."""
+    cores, but transfers slow down when all cores are busy with other work. Taken only by engines whose
+    threads sleep while idle (Mooncake); on others (NIXL's busy-polling UCX thread) a warning, and threads
+    stay normal. ``"normal"`` leaves them alone. See docs/performance.md."""
     poll_interval_min: float = 0.0001
     poll_interval_max: float = 0.001
     yield_after_notify: bool = True

@@ -193,6 +193,8 @@ class KVManager:
         """decode side: (prefill endpoint, req id) -> (room, offset, nbytes) granted"""
         self._registered = False
         self._started = False
+        self._engine_threads = "normal"
+        """``engine_threads`` in effect: ``background`` only once started on an engine that allows it."""
         self._closed = False
         self._kv_bases = np.array([b.ptr for b in args.kv], dtype=np.uint64)
         self._kv_item_lens = np.array([b.item_len for b in args.kv], dtype=np.uint64)
@@ -269,6 +271,13 @@ class KVManager:
             await self._offload.run(self._engine.register, self._regions, timeout=cfg.handshake_timeout,
                                     what="memory registration")
             self._registered = True
+            if background and not getattr(self._engine, "quiet_threads", False):
+                # A busy-polling engine thread at idle priority is preempted while it holds the engine's
+                # own lock, and every submit and check of ours then waits behind it (priority inversion).
+                background = False
+                log.warning("engine_threads='background' ignored: the %s engine's threads busy-poll and hold "
+                            "its internal lock; at idle priority they would stall transfers", cfg.engine)
+            self._engine_threads = "background" if background else "normal"
             if background:
                 await self._background_engine_threads()  # first look, before ZMQ starts its threads
             self._poller = Poller(
@@ -381,7 +390,7 @@ class KVManager:
             "num_pages": self.args.num_pages,
             "layout": self.args.layout,
             "compat": self._compat,
-            "engine_threads": self.config.engine_threads,
+            "engine_threads": self._engine_threads,
         }
         if self._engine is not None:
             info.update(self._engine.describe())

@@ -5,6 +5,7 @@ The public surface is re-exported here; everything in underscore modules is inte
 
 from __future__ import annotations
 
+from ._lag import LoopLagMonitor as LoopLagMonitor
 from .args import Buffer as Buffer
 from .args import KVArgs as KVArgs
 from .aux import MemPool as MemPool
@@ -44,6 +45,7 @@ __all__ = [
     "MemPool",
     "alloc_metadata_buffer",
     # observability
+    "LoopLagMonitor",
     "PrometheusExporter",
     # configuration
     "AuxPath",

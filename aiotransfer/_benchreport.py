@@ -103,7 +103,8 @@ def derive(res: dict[str, Any]) -> dict[str, Any]:
     for e in _engines(res):
         r = _phase(res, e, "lag")
         if r:
-            lag[e] = {k: {x: r[k].get(x) for x in ("p50_ms", "p99_ms", "max_ms", "samples", "gbps")}
+            lag[e] = {k: {x: r[k].get(x) for x in ("p50_ms", "p99_ms", "max_ms", "samples", "gbps", "loop_cpu_share",
+                                                  "runqueue_ms_per_s", "late_runqueue_share")}
                       for k in ("idle", "aiotransfer", "raw_thread")}
             lag[e]["requests"] = r["requests"]
             lag[e]["in_flight"] = r["in_flight"]
@@ -228,6 +229,15 @@ def evaluate(res: dict[str, Any]) -> list[dict[str, Any]]:
         r = lag["raw_thread"]
         rows.append(_row("3 loop lag", e, "raw engine on a thread: p99 / max (ms)", _num(r["p99_ms"]),
                          "{:.2f} / " + f"{r['max_ms']:.2f}", "-", None))
+        if a.get("late_runqueue_share") is not None:
+            raw_share = _num(r.get("late_runqueue_share"))
+            rows.append(_row("3 loop lag", e, "wake-ups > 1 ms late: share waiting for a CPU (raw thread)",
+                             _num(a["late_runqueue_share"]),
+                             "{:.2f} (" + ("n/a" if raw_share is None else f"{raw_share:.2f}") + ")", "-", None))
+        if a.get("loop_cpu_share") is not None:
+            rows.append(_row("3 loop lag", e, "loop thread CPU / run-queue wait (ms per s)",
+                             _num(a["loop_cpu_share"]), "{:.2f} / " + f"{a.get('runqueue_ms_per_s', 0):.0f}",
+                             "-", None))
     for e, cc in figs["concurrency"].items():
         lv = cc["levels"]
         one = next((x for x in lv if x["in_flight"] == 1), None)

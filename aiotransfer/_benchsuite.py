@@ -1092,7 +1092,7 @@ async def phase_lag(ctx: _Ctx) -> dict[str, Any]:
         rooms = ctx.rooms(count + 1)
         await ctx.arm("lag", "aio", rooms, mgr.endpoint, dsts=[slot[k % depth] for k in range(count)] + [slot[0]])
         await _send(mgr, rooms[-1], slot[0])
-        idle = LoopLagMonitor()
+        idle = LoopLagMonitor(attribute=True)
         async with idle:
             await asyncio.sleep(min(1.0, p.lag_seconds))
         failures: list[str] = []
@@ -1103,7 +1103,7 @@ async def phase_lag(ctx: _Ctx) -> dict[str, Any]:
                 if err:
                     failures.append(err)
 
-        aio = LoopLagMonitor()
+        aio = LoopLagMonitor(attribute=True)
         aio.start()
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(j) for j in range(depth)))
@@ -1115,7 +1115,7 @@ async def phase_lag(ctx: _Ctx) -> dict[str, Any]:
         src = np.concatenate([_addr(f.src_base, slot[j], page)[:1] for j in ks])
         dst = np.concatenate([_addr(f.dst_base, slot[j], page)[:1] for j in ks])
         lens = np.full(count, size, dtype=np.uint64)
-        rawmon = LoopLagMonitor()
+        rawmon = LoopLagMonitor(attribute=True)
         rawmon.start()
         raw_s, _ = await ctx.off(raw.inflight, src, dst, lens, depth)
         await rawmon.stop()
@@ -1132,7 +1132,8 @@ async def phase_lag(ctx: _Ctx) -> dict[str, Any]:
         }
         s = res["aiotransfer"]
         await ctx.progress(f"lag under load: aiotransfer p99 {s['p99_ms']} ms max {s['max_ms']} ms "
-                           f"({s['gbps']:.2f} GB/s); raw thread p99 {res['raw_thread']['p99_ms']} ms")
+                           f"({s['gbps']:.2f} GB/s, late wake-ups waiting for a CPU: "
+                           f"{s.get('late_runqueue_share')}); raw thread p99 {res['raw_thread']['p99_ms']} ms")
         return res
     finally:
         await ctx.close(f)

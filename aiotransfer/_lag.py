@@ -8,6 +8,14 @@ NumPy operation, GIL contention) shows up directly as lag::
         await do_transfers()
     print(lag.summary())          # {'p50_ms': 0.11, 'p99_ms': 0.4, 'max_ms': 2.3, 'samples': 2817}
 
+On Linux the summary also says where the time went, from the loop thread's scheduler statistics
+(``/proc/thread-self/schedstat``): ``loop_cpu_share`` (CPU the loop thread used, per second of wall time)
+and ``runqueue_ms_per_s`` (time it was runnable but waited for a CPU, per second). With
+``attribute=True`` each late wake-up is split too: ``late_runqueue_share`` is the part of the overshoot of
+wake-ups later than ``late_ms`` that the loop thread spent waiting for a CPU. Near 1, the loop was starved
+by other threads on its cores (the remedy is fewer or lower-priority busy threads); near 0, something ran
+on the loop, or it waited for a lock or the GIL.
+
 No dependency beyond NumPy (already a core dependency).
 """
 
@@ -15,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from typing import Any
 
@@ -27,11 +36,20 @@ __all__ = ["LoopLagMonitor"]
 class LoopLagMonitor:
     """Measures event-loop wake-up lag while running (``start``/``stop`` or ``async with``)."""
 
-    def __init__(self, interval: float = 0.001) -> None:
+    def __init__(self, interval: float = 0.001, *, attribute: bool = False, late_ms: float = 1.0) -> None:
         if not interval > 0:
             raise ValueError(f"interval must be > 0, got {interval!r}")
+        if not late_ms >= 0:
+            raise ValueError(f"late_ms must be >= 0, got {late_ms!r}")
         self.interval = interval
+        self.attribute = attribute
+        """Split each late wake-up into run-queue wait and the rest (two small reads per sample)."""
+        self.late_ms = late_ms
         self._lags: list[float] = []
+        self._sched = [0, 0]
+        """Loop thread's CPU and run-queue wait (ns) summed over the sampling periods."""
+        self._late = [0.0, 0.0]
+        """attribute=True: overshoot of the late wake-ups, and the run-queue wait within it (ms)."""
         self._task: asyncio.Task[None] | None = None
         self._started_at: float | None = None
         self._elapsed = 0.0
@@ -67,6 +85,8 @@ class LoopLagMonitor:
         """Forget the samples collected so far."""
         self._lags.clear()
         self._elapsed = 0.0
+        self._sched = [0, 0]
+        self._late = [0.0, 0.0]
 
     async def __aenter__(self) -> LoopLagMonitor:
         return self.start()
@@ -75,6 +95,22 @@ class LoopLagMonitor:
         await self.stop()
 
     async def _run(self) -> None:
+        fd = _open_schedstat()  # opened on the loop thread: thread-self is the loop thread
+        start = _schedstat(fd)
+        try:
+            if self.attribute and fd is not None:
+                await self._sample_attributed(fd)
+            else:
+                await self._sample()
+        finally:
+            end = _schedstat(fd)
+            if start is not None and end is not None:
+                self._sched[0] += end[0] - start[0]
+                self._sched[1] += end[1] - start[1]
+            if fd is not None:
+                os.close(fd)
+
+    async def _sample(self) -> None:
         interval = self.interval
         append = self._lags.append
         clock = time.perf_counter
@@ -82,6 +118,22 @@ class LoopLagMonitor:
             t0 = clock()
             await asyncio.sleep(interval)
             append(max(clock() - t0 - interval, 0.0) * 1e3)
+
+    async def _sample_attributed(self, fd: int) -> None:
+        interval, late_ms, late = self.interval, self.late_ms, self._late
+        append = self._lags.append
+        clock = time.perf_counter
+        while True:
+            before = _schedstat(fd)
+            t0 = clock()
+            await asyncio.sleep(interval)
+            lag = max(clock() - t0 - interval, 0.0) * 1e3
+            append(lag)
+            if lag > late_ms:
+                after = _schedstat(fd)
+                if before is not None and after is not None:
+                    late[0] += lag
+                    late[1] += min((after[1] - before[1]) / 1e6, lag)
 
     @property
     def samples(self) -> npt.NDArray[np.float64]:
@@ -96,7 +148,7 @@ class LoopLagMonitor:
             return {"p50_ms": None, "p99_ms": None, "max_ms": None, "mean_ms": None,
                     "samples": 0, "seconds": round(elapsed, 3)}
         p50, p99 = np.percentile(s, [50, 99])
-        return {
+        out: dict[str, Any] = {
             "p50_ms": round(float(p50), 4),
             "p99_ms": round(float(p99), 4),
             "max_ms": round(float(s.max()), 4),
@@ -104,3 +156,30 @@ class LoopLagMonitor:
             "samples": int(s.size),
             "seconds": round(elapsed, 3),
         }
+        if elapsed > 0 and any(self._sched):
+            out["loop_cpu_share"] = round(self._sched[0] / 1e9 / elapsed, 4)
+            out["runqueue_ms_per_s"] = round(self._sched[1] / 1e6 / elapsed, 3)
+        if self.attribute:
+            out["late_ms"] = self.late_ms
+            out["late_overshoot_ms"] = round(self._late[0], 3)
+            out["late_runqueue_share"] = round(self._late[1] / self._late[0], 4) if self._late[0] else None
+        return out
+
+
+def _open_schedstat() -> int | None:
+    """A descriptor on the calling thread's scheduler statistics (Linux), or None where there are none."""
+    try:
+        return os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+    except OSError:
+        return None
+
+
+def _schedstat(fd: int | None) -> tuple[int, int] | None:
+    """(CPU time, run-queue wait) of the thread ``fd`` was opened on, in ns."""
+    if fd is None:
+        return None
+    try:
+        fields = os.pread(fd, 128, 0).split()
+        return int(fields[0]), int(fields[1])
+    except (OSError, ValueError, IndexError):
+        return None

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from aiotransfer import _lag as lag_module
 from aiotransfer._lag import LoopLagMonitor
 from aiotransfer.demo import KVPool, PageAllocator, count_bad_pages, fill_pages, make_requests
 
@@ -167,6 +168,77 @@ async def test_loop_lag_monitor_empty_and_restart() -> None:
     assert mon.summary()["samples"] == 0
     with pytest.raises(ValueError):
         LoopLagMonitor(interval=0)
+
+
+_SCHEDSTAT = os.path.exists("/proc/thread-self/schedstat")
+
+
+@pytest.mark.skipif(not _SCHEDSTAT, reason="per-thread scheduler statistics are Linux-only")
+async def test_loop_lag_attribution_blocked_loop_is_not_runqueue_wait() -> None:
+    """A loop blocked by its own code (a sleep on the loop thread) is late, and none of it is CPU wait."""
+    mon = LoopLagMonitor(attribute=True, late_ms=2.0)
+    async with mon:
+        for _ in range(5):
+            await asyncio.sleep(0.01)
+            time.sleep(0.01)  # noqa: ASYNC251 -- blocks the loop on purpose
+    s = mon.summary()
+    assert s["late_overshoot_ms"] >= 25
+    assert s["late_runqueue_share"] < 0.5
+    assert 0 < s["loop_cpu_share"] < 1 and s["runqueue_ms_per_s"] >= 0
+
+
+_STARVED = """
+import asyncio, json, os, sys
+from aiotransfer._lag import LoopLagMonitor
+print("ready", flush=True)
+sys.stdin.readline()  # the busy processes run
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread: the loop
+async def main():
+    mon = LoopLagMonitor(attribute=True)
+    async with mon:
+        await asyncio.sleep(0.5)
+    print(json.dumps(mon.summary()), flush=True)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(not (_SCHEDSTAT and hasattr(os, "SCHED_IDLE")), reason="Linux scheduler statistics")
+def test_loop_lag_attribution_starved_loop_is_runqueue_wait() -> None:
+    """A loop thread at idle priority behind busy processes on every core is late because it waits for a
+    CPU: the attribution says so."""
+    with subprocess.Popen([sys.executable, "-c", _STARVED], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True) as child:
+        assert child.stdin is not None and child.stdout is not None
+        assert child.stdout.readline().strip() == "ready"
+        spin = "import time\nend = time.monotonic() + 1.0\nwhile time.monotonic() < end: pass"
+        busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range((os.cpu_count() or 1) + 1)]
+        try:
+            time.sleep(0.1)
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            line = child.stdout.readline()  # written once the busy processes are gone and the loop runs again
+        finally:
+            for b in busy:
+                b.kill()
+                b.wait()
+        assert child.wait(60) == 0 and line
+    s = json.loads(line)
+    assert s["late_overshoot_ms"] > 50, s
+    assert s["late_runqueue_share"] > 0.8, s
+    assert s["runqueue_ms_per_s"] > 50, s
+
+
+async def test_loop_lag_attribution_absent_without_scheduler_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the scheduler statistics cannot be read the summary leaves the CPU figures out."""
+    monkeypatch.setattr(lag_module, "_open_schedstat", lambda: None)
+    mon = LoopLagMonitor(attribute=True)
+    async with mon:
+        await asyncio.sleep(0.01)
+    s = mon.summary()
+    assert s["samples"] > 0
+    assert "loop_cpu_share" not in s and s["late_runqueue_share"] is None
+    with pytest.raises(ValueError):
+        LoopLagMonitor(late_ms=-1)
 
 
 def test_pattern_detects_every_corrupted_byte() -> None:

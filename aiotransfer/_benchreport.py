@@ -104,7 +104,8 @@ def derive(res: dict[str, Any]) -> dict[str, Any]:
         r = _phase(res, e, "lag")
         if r:
             lag[e] = {k: {x: r[k].get(x) for x in ("p50_ms", "p99_ms", "max_ms", "samples", "gbps", "loop_cpu_share",
-                                                  "runqueue_ms_per_s", "late_runqueue_share")}
+                                                  "runqueue_ms_per_s", "late_runqueue_share", "steal_ms_per_s",
+                                                  "late_steal_share", "worst")}
                       for k in ("idle", "aiotransfer", "raw_thread")}
             lag[e]["requests"] = r["requests"]
             lag[e]["in_flight"] = r["in_flight"]
@@ -234,10 +235,15 @@ def evaluate(res: dict[str, Any]) -> list[dict[str, Any]]:
             rows.append(_row("3 loop lag", e, "wake-ups > 1 ms late: share waiting for a CPU (raw thread)",
                              _num(a["late_runqueue_share"]),
                              "{:.2f} (" + ("n/a" if raw_share is None else f"{raw_share:.2f}") + ")", "-", None))
+        w = a.get("worst")
+        if w:
+            rows.append(_row("3 loop lag", e, "latest wake-up: ms late / run-queue wait ms / hypervisor steal ms",
+                             _num(w["overshoot_ms"]),
+                             "{:.1f} / " + f"{w['runqueue_ms']:.1f} / {w['steal_ms']:.0f}", "-", None))
         if a.get("loop_cpu_share") is not None:
-            rows.append(_row("3 loop lag", e, "loop thread CPU / run-queue wait (ms per s)",
-                             _num(a["loop_cpu_share"]), "{:.2f} / " + f"{a.get('runqueue_ms_per_s', 0):.0f}",
-                             "-", None))
+            rows.append(_row("3 loop lag", e, "loop thread CPU / run-queue wait / steal (ms per s)",
+                             _num(a["loop_cpu_share"]), "{:.2f} / " + f"{a.get('runqueue_ms_per_s', 0):.0f} / "
+                             f"{a.get('steal_ms_per_s', 0):.1f}", "-", None))
     for e, cc in figs["concurrency"].items():
         lv = cc["levels"]
         one = next((x for x in lv if x["in_flight"] == 1), None)

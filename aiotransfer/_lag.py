@@ -14,7 +14,11 @@ and ``runqueue_ms_per_s`` (time it was runnable but waited for a CPU, per second
 ``attribute=True`` each late wake-up is split too: ``late_runqueue_share`` is the part of the overshoot of
 wake-ups later than ``late_ms`` that the loop thread spent waiting for a CPU. Near 1, the loop was starved
 by other threads on its cores (the remedy is fewer or lower-priority busy threads); near 0, something ran
-on the loop, or it waited for a lock or the GIL.
+on the loop, or it waited for a lock or the GIL, or the whole machine stopped: on a virtual machine the
+hypervisor may take the CPUs away (``steal`` in ``/proc/stat``). ``steal_ms_per_s`` is that stolen time per
+second and CPU over the sampling, and ``late_steal_share`` the part of the late overshoot in wake-ups during
+which steal time grew (the counter ticks in 10 ms steps: short thefts go unseen). ``worst`` breaks down the
+wake-up that came latest the same way.
 
 No dependency beyond NumPy (already a core dependency).
 """
@@ -48,8 +52,13 @@ class LoopLagMonitor:
         self._lags: list[float] = []
         self._sched = [0, 0]
         """Loop thread's CPU and run-queue wait (ns) summed over the sampling periods."""
-        self._late = [0.0, 0.0]
-        """attribute=True: overshoot of the late wake-ups, and the run-queue wait within it (ms)."""
+        self._late = [0.0, 0.0, 0.0]
+        """attribute=True: overshoot of the late wake-ups, the run-queue wait within it, and the overshoot of
+        those during which the hypervisor stole CPU time (ms)."""
+        self._steal: int | None = None
+        """Steal time of all CPUs over the sampling periods (clock ticks); None where it cannot be read."""
+        self._worst: tuple[float, float, int] | None = None
+        """attribute=True: the latest of the late wake-ups: (overshoot ms, run-queue wait ms, steal ticks)."""
         self._task: asyncio.Task[None] | None = None
         self._started_at: float | None = None
         self._elapsed = 0.0
@@ -86,7 +95,9 @@ class LoopLagMonitor:
         self._lags.clear()
         self._elapsed = 0.0
         self._sched = [0, 0]
-        self._late = [0.0, 0.0]
+        self._late = [0.0, 0.0, 0.0]
+        self._steal = None
+        self._worst = None
 
     async def __aenter__(self) -> LoopLagMonitor:
         return self.start()
@@ -96,19 +107,23 @@ class LoopLagMonitor:
 
     async def _run(self) -> None:
         fd = _open_schedstat()  # opened on the loop thread: thread-self is the loop thread
-        start = _schedstat(fd)
+        stat = _open_stat()
+        start, steal0 = _schedstat(fd), _steal(stat)
         try:
             if self.attribute and fd is not None:
-                await self._sample_attributed(fd)
+                await self._sample_attributed(fd, stat)
             else:
                 await self._sample()
         finally:
-            end = _schedstat(fd)
+            end, steal1 = _schedstat(fd), _steal(stat)
             if start is not None and end is not None:
                 self._sched[0] += end[0] - start[0]
                 self._sched[1] += end[1] - start[1]
-            if fd is not None:
-                os.close(fd)
+            if steal0 is not None and steal1 is not None:
+                self._steal = (self._steal or 0) + steal1 - steal0
+            for f in (fd, stat):
+                if f is not None:
+                    os.close(f)
 
     async def _sample(self) -> None:
         interval = self.interval
@@ -119,21 +134,27 @@ class LoopLagMonitor:
             await asyncio.sleep(interval)
             append(max(clock() - t0 - interval, 0.0) * 1e3)
 
-    async def _sample_attributed(self, fd: int) -> None:
+    async def _sample_attributed(self, fd: int, stat: int | None) -> None:
         interval, late_ms, late = self.interval, self.late_ms, self._late
         append = self._lags.append
         clock = time.perf_counter
         while True:
-            before = _schedstat(fd)
+            before, steal0 = _schedstat(fd), _steal(stat)
             t0 = clock()
             await asyncio.sleep(interval)
             lag = max(clock() - t0 - interval, 0.0) * 1e3
             append(lag)
             if lag > late_ms:
-                after = _schedstat(fd)
+                after, steal1 = _schedstat(fd), _steal(stat)
                 if before is not None and after is not None:
+                    queued = min((after[1] - before[1]) / 1e6, lag)
+                    stolen = steal1 - steal0 if steal0 is not None and steal1 is not None else 0
                     late[0] += lag
-                    late[1] += min((after[1] - before[1]) / 1e6, lag)
+                    late[1] += queued
+                    if stolen > 0:
+                        late[2] += lag
+                    if self._worst is None or lag > self._worst[0]:
+                        self._worst = (lag, queued, stolen)
 
     @property
     def samples(self) -> npt.NDArray[np.float64]:
@@ -159,11 +180,42 @@ class LoopLagMonitor:
         if elapsed > 0 and any(self._sched):
             out["loop_cpu_share"] = round(self._sched[0] / 1e9 / elapsed, 4)
             out["runqueue_ms_per_s"] = round(self._sched[1] / 1e6 / elapsed, 3)
+        if elapsed > 0 and self._steal is not None:
+            out["steal_ms_per_s"] = round(self._steal * 1e3 / _CLK_TCK / (os.cpu_count() or 1) / elapsed, 3)
         if self.attribute:
+            late = self._late
             out["late_ms"] = self.late_ms
-            out["late_overshoot_ms"] = round(self._late[0], 3)
-            out["late_runqueue_share"] = round(self._late[1] / self._late[0], 4) if self._late[0] else None
+            out["late_overshoot_ms"] = round(late[0], 3)
+            out["late_runqueue_share"] = round(late[1] / late[0], 4) if late[0] else None
+            out["late_steal_share"] = round(late[2] / late[0], 4) if late[0] else None
+            w = self._worst
+            out["worst"] = None if w is None else {
+                "overshoot_ms": round(w[0], 4), "runqueue_ms": round(w[1], 4),
+                "steal_ms": round(w[2] * 1e3 / _CLK_TCK, 1),
+            }
         return out
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _open_stat() -> int | None:
+    """A descriptor on the kernel's CPU accounting (Linux ``/proc/stat``), or None."""
+    try:
+        return os.open("/proc/stat", os.O_RDONLY)
+    except OSError:
+        return None
+
+
+def _steal(fd: int | None) -> int | None:
+    """Steal time of all CPUs so far (clock ticks): time the hypervisor ran something else."""
+    if fd is None:
+        return None
+    try:
+        fields = os.pread(fd, 256, 0).split(b"\n", 1)[0].split()
+        return int(fields[8]) if fields[0] == b"cpu" and len(fields) > 8 else None
+    except (OSError, ValueError):
+        return None
 
 
 def _open_schedstat() -> int | None:

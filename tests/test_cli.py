@@ -184,6 +184,7 @@ async def test_loop_lag_attribution_blocked_loop_is_not_runqueue_wait() -> None:
     s = mon.summary()
     assert s["late_overshoot_ms"] >= 25
     assert s["late_runqueue_share"] < 0.5
+    assert s["worst"]["overshoot_ms"] >= 5 and s["worst"]["runqueue_ms"] < s["worst"]["overshoot_ms"]
     assert 0 < s["loop_cpu_share"] < 1 and s["runqueue_ms_per_s"] >= 0
 
 
@@ -226,19 +227,40 @@ def test_loop_lag_attribution_starved_loop_is_runqueue_wait() -> None:
     assert s["late_overshoot_ms"] > 50, s
     assert s["late_runqueue_share"] > 0.8, s
     assert s["runqueue_ms_per_s"] > 50, s
+    assert s["worst"]["runqueue_ms"] > 0.5 * s["worst"]["overshoot_ms"], s
 
 
 async def test_loop_lag_attribution_absent_without_scheduler_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the scheduler statistics cannot be read the summary leaves the CPU figures out."""
     monkeypatch.setattr(lag_module, "_open_schedstat", lambda: None)
+    monkeypatch.setattr(lag_module, "_open_stat", lambda: None)
     mon = LoopLagMonitor(attribute=True)
     async with mon:
         await asyncio.sleep(0.01)
     s = mon.summary()
     assert s["samples"] > 0
-    assert "loop_cpu_share" not in s and s["late_runqueue_share"] is None
+    assert "loop_cpu_share" not in s and "steal_ms_per_s" not in s
+    assert s["late_runqueue_share"] is None and s["late_steal_share"] is None and s["worst"] is None
     with pytest.raises(ValueError):
         LoopLagMonitor(late_ms=-1)
+
+
+def test_steal_reads_the_hypervisor_column(tmp_path: Path) -> None:
+    """Steal time is the eighth number of /proc/stat's first line; other layouts give None."""
+    f = tmp_path / "stat"
+    f.write_text("cpu  1505316 252 926109 2735678 16827 0 61657 8534 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n")
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        assert lag_module._steal(fd) == 8534
+    finally:
+        os.close(fd)
+    f.write_text("intr 1 2 3\n")
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        assert lag_module._steal(fd) is None
+    finally:
+        os.close(fd)
+    assert lag_module._steal(None) is None
 
 
 def test_pattern_detects_every_corrupted_byte() -> None:

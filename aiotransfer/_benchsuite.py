@@ -150,6 +150,8 @@ class Params:
     phases: list[str] | None = None
     engine_threads: str = "normal"
     """``TransferConfig.engine_threads`` of every manager of the run, on both sides."""
+    nixl_progress_delay_us: int = 0
+    """``TransferConfig.nixl_progress_delay_us`` of every manager of the run, on both sides."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -160,7 +162,8 @@ class Params:
 
 
 def make_params(*, quick: bool, tiny: bool, repeats: int | None, seed: int, host: str,
-                phases: Sequence[str] | None, tp_split_credits: bool = True, engine_threads: str = "normal") -> Params:
+                phases: Sequence[str] | None, tp_split_credits: bool = True, engine_threads: str = "normal",
+                nixl_progress_delay_us: int = 0) -> Params:
     if tiny:
         p = Params(
             scale="tiny", repeats=1, sizes=[64 * KIB, MIB], sizes_nixl_tcp=[MIB], scattered_pages=512,
@@ -181,6 +184,7 @@ def make_params(*, quick: bool, tiny: bool, repeats: int | None, seed: int, host
     p.seed, p.host = seed, host
     p.phases = list(phases) if phases else None
     p.engine_threads = engine_threads
+    p.nixl_progress_delay_us = nixl_progress_delay_us
     p.tp_split_credits = tp_split_credits
     return p
 
@@ -598,7 +602,7 @@ async def _decode_worker(ns: argparse.Namespace) -> int:
         name = cmd["name"]
         await close_setup(name)
         cfg = TransferConfig(engine=spec.engine, hostname=params.host, engine_threads=params.engine_threads,
-                             **cmd.get("cfg", {}))
+                             nixl_progress_delay_us=params.nixl_progress_delay_us, **cmd.get("cfg", {}))
         pools: list[KVPool] = []
         auxes: list[npt.NDArray[np.uint8]] = []
         mgrs: list[Any] = []
@@ -814,7 +818,8 @@ class _Ctx:
         from . import TransferConfig
 
         return TransferConfig(engine=self.spec.engine, hostname=self.params.host,
-                              **{"engine_threads": self.params.engine_threads, **overrides})
+                              **{"engine_threads": self.params.engine_threads,
+                                 "nixl_progress_delay_us": self.params.nixl_progress_delay_us, **overrides})
 
     async def flat(self, name: str, *, pages: int, page_bytes: int, n: int = 1,
                    cfgs: Sequence[dict[str, Any]] | None = None, aux_slots: int = 0,
@@ -1627,7 +1632,8 @@ def run_suite(ns: argparse.Namespace) -> int:
             return 2
         params = make_params(quick=ns.quick, tiny=ns.tiny, repeats=ns.repeats_given, seed=ns.seed, host=ns.host,
                              phases=phases, tp_split_credits=not ns.tp_library_credits,
-                             engine_threads=ns.engine_threads)
+                             engine_threads=ns.engine_threads,
+                             nixl_progress_delay_us=ns.nixl_progress_delay_us)
         try:
             res = asyncio.run(_suite_main(params, engines, ns.quick or ns.tiny))
         except KeyboardInterrupt:

@@ -603,6 +603,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            "prefill managers of the one Mooncake engine) instead of 256")
     full.add_argument("--engine-threads", choices=("normal", "background"), default="normal",
                       help="TransferConfig.engine_threads of every manager, both sides (default normal)")
+    full.add_argument("--nixl-progress-delay-us", type=int, default=0, metavar="US",
+                      help="TransferConfig.nixl_progress_delay_us of every manager, both sides (default 0: NIXL's "
+                           "progress thread polls without pause)")
     p.add_argument("--role", choices=("prefill", "decode"), default="prefill", help=argparse.SUPPRESS)
 
 

@@ -102,6 +102,11 @@ class TransferConfig:
     cores, but transfers slow down when all cores are busy with other work. Taken only by engines whose
     threads sleep while idle (Mooncake); on others (NIXL's busy-polling UCX thread) a warning, and threads
     stay normal. ``"normal"`` leaves them alone. See docs/performance.md."""
+    nixl_progress_delay_us: int = 0
+    """NIXL's UCX progress thread: ``0`` (NIXL's own choice) polls without pause and keeps a core busy in
+    every process; ``N > 0`` lets it sleep up to N µs on the worker's events between polls. Frees the core
+    (large writes and the loop gain where cores are few) at the cost of wake-up latency for small writes;
+    measured in docs/performance.md."""
     poll_interval_min: float = 0.0001
     poll_interval_max: float = 0.001
     yield_after_notify: bool = True
@@ -179,6 +184,8 @@ class TransferConfig:
                 raise ConfigError("the sglang-mooncake wire profile cannot carry checksums")
         if self.engine_threads not in ("normal", "background"):
             raise ConfigError(f"engine_threads must be normal or background, got {self.engine_threads!r}")
+        if not 0 <= self.nixl_progress_delay_us <= 1_000_000:
+            raise ConfigError(f"nixl_progress_delay_us must be 0..1000000, got {self.nixl_progress_delay_us!r}")
         if self.staging not in ("auto", "always", "never"):
             raise ConfigError(f"staging must be auto, always or never, got {self.staging!r}")
         if self.staging_bytes < 0:

@@ -212,6 +212,10 @@ def test_params_scales() -> None:
     bg = make_params(quick=True, tiny=False, repeats=None, seed=0, host="127.0.0.1", phases=["lag"],
                      engine_threads="background")
     assert type(bg).from_json(bg.to_json()).engine_threads == "background"
+    assert full.nixl_progress_delay_us == 0
+    slow = make_params(quick=True, tiny=False, repeats=None, seed=0, host="127.0.0.1", phases=["lag"],
+                       nixl_progress_delay_us=1000)
+    assert type(slow).from_json(slow.to_json()).nixl_progress_delay_us == 1000
 
 
 _LAST_WORDS = """

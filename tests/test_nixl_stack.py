@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import time
+import types
+from typing import Any
+
 import numpy as np
 import pytest
 
 from aiotransfer import KVArgs, KVManager, KVPoll, TransferConfig
-from aiotransfer.errors import EngineUnavailable
+from aiotransfer.errors import ConfigError, EngineUnavailable
 
 BUFFERS, PAGES, ITEM = 3, 128, 2048
 
@@ -111,3 +116,67 @@ async def test_nixl_small_writes_post_from_the_loop_only_when_the_agent_is_free(
         release.set()
         await asyncio.wait_for(task, 10)
         holder.join(5)
+
+
+def _native_thread_cpu(tids: set[int]) -> float:
+    """CPU seconds (user + system) used so far by the listed threads of this process."""
+    total = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread CPU accounting is Linux-only")
+@pytest.mark.parametrize("delay_us", [0, 1000])
+def test_nixl_progress_delay_lets_the_progress_thread_sleep(delay_us: int) -> None:
+    """NIXL's UCX progress thread polls without pause by default (a core while idle); with
+    ``nixl_progress_delay_us`` it sleeps between polls. Measured on the threads the agent starts."""
+    _nixl_or_skip()
+    from aiotransfer.engines.nixl import NixlEngine
+
+    before = {int(t) for t in os.listdir("/proc/self/task")}
+    engine = NixlEngine(TransferConfig(engine="nixl", nixl_progress_delay_us=delay_us))
+    try:
+        assert engine.describe()["progress_delay_us"] == delay_us
+        time.sleep(0.2)
+        native = {int(t) for t in os.listdir("/proc/self/task")} - before
+        assert native, "the agent started no thread"
+        cpu0, t0 = _native_thread_cpu(native), time.monotonic()
+        time.sleep(1.0)
+        share = (_native_thread_cpu(native) - cpu0) / (time.monotonic() - t0)
+    finally:
+        engine.close()
+    if delay_us:
+        assert share < 0.15, f"progress thread used {share:.2f} of a core while idle"
+    else:
+        assert share > 0.3, f"progress thread used only {share:.2f} of a core while idle (NIXL no longer spins?)"
+
+
+def test_nixl_progress_delay_without_the_native_setting_is_declined(caplog: pytest.LogCaptureFixture) -> None:
+    """A NIXL build without the native progress-delay field: the agent is made as usual, delay 0, logged."""
+    from aiotransfer.engines import nixl
+
+    made: list[tuple[str, Any]] = []
+
+    def agent(name: str, cfg: Any) -> str:
+        made.append((name, cfg))
+        return "agent"
+
+    api = types.SimpleNamespace(nixl_agent_config=lambda backends: {"backends": backends}, nixl_agent=agent)
+    with caplog.at_level("WARNING", logger="aiotransfer.engines.nixl"):
+        assert nixl._create_agent(api, "a", 500) == ("agent", 0)
+    assert made == [("a", {"backends": ["UCX"]})]
+    assert "progress thread delay" in caplog.text
+    assert nixl._create_agent(api, "b", 0) == ("agent", 0)
+
+
+def test_nixl_progress_delay_is_validated() -> None:
+    with pytest.raises(ConfigError):
+        TransferConfig(nixl_progress_delay_us=-1)
+    with pytest.raises(ConfigError):
+        TransferConfig(nixl_progress_delay_us=2_000_000)

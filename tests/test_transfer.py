@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from aiotransfer import InvalidArgument, KVManager, KVPoll, TransferFailed, TransferTimeout, _threads
-from tests.conftest import GEOMETRY, expected_digest
+from tests.conftest import GEOMETRY, _nixl_available, expected_digest
 from tests.remote import RemoteError, RemotePeer
 
 PAGES = GEOMETRY["pages"]
@@ -391,6 +391,30 @@ async def test_engine_threads_background_idles_only_the_engines_native_threads(e
                 assert 1 <= (await peer.call("stats"))["stats"]["engine_threads_background"] <= len(idle)
             else:
                 assert not idle, (side, idle)
+    finally:
+        await prefill.close()
+        await decode.close()
+
+
+@pytest.mark.skipif(not _nixl_available(), reason="nixl not installed")
+async def test_nixl_with_a_sleeping_progress_thread_moves_bytes_between_processes() -> None:
+    """``nixl_progress_delay_us``: the UCX progress thread sleeps between polls on both sides; connection
+    set-up and writes still complete, byte for byte."""
+    env = {"AIOTRANSFER_NIXL_PROGRESS_DELAY_US": "1000"}
+    prefill = await RemotePeer.start("nixl", env=env, **GEOMETRY)
+    decode = await RemotePeer.start("nixl", env=env, **GEOMETRY)
+    try:
+        for side in (prefill, decode):
+            assert (await side.call("info"))["describe"]["progress_delay_us"] == "1000"
+        await decode.call("zero")
+        for room, src, dst in ((51, [3, 9, 10, 11], [100, 5, 6, 7]), (52, list(range(64)), list(range(64, 128)))):
+            await decode.call("receiver", room=room, peer=prefill.endpoint, pages=dst)
+            await prefill.call("sender", room=room)
+            await prefill.call("wait_ready", room=room)
+            await prefill.call("send_kv", room=room, pages=src)
+            assert (await decode.call("done", room=room))["status"] == "Success"
+            want = (await prefill.call("digest", pages=src))["digest"]
+            assert (await decode.call("digest", pages=dst))["digest"] == want
     finally:
         await prefill.close()
         await decode.close()

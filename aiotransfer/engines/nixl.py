@@ -115,6 +115,50 @@ def _try_import(name: str, errors: list[str]) -> Any:
         return None
 
 
+_AGENT_LOCK = threading.Lock()
+
+
+def _create_agent(api: Any, name: str, delay_us: int) -> tuple[Any, int]:
+    """A UCX agent; with ``delay_us`` > 0 its progress thread sleeps up to that long between polls.
+
+    NIXL's Python agent fixes the delay at 0 (``pthrDelay``) on the native config it builds, so the native
+    config class is swapped, while the agent is built, for one that keeps the delay asked for. Returns the
+    delay in effect: 0 when this NIXL build has no such setting (logged)."""
+    config = api.nixl_agent_config(backends=["UCX"])
+    if delay_us <= 0:
+        return api.nixl_agent(name, config), 0
+    binding = getattr(api, "nixlBind", None)
+    native = getattr(binding, "nixlAgentConfig", None)
+    field: Any = getattr(native, "pthrDelay", None)
+    if binding is None or native is None or not hasattr(field, "__set__"):
+        log.warning("this NIXL build does not expose its progress thread delay; nixl_progress_delay_us ignored")
+        return api.nixl_agent(name, config), 0
+
+    class _DelayedConfig(native):  # type: ignore[misc, valid-type]
+        @property
+        def pthrDelay(self) -> int:
+            return int(field.__get__(self))
+
+        @pthrDelay.setter
+        def pthrDelay(self, value: int) -> None:
+            field.__set__(self, max(int(value), delay_us))
+
+    class _Binding:
+        """The binding module, with the config class swapped."""
+
+        nixlAgentConfig = _DelayedConfig
+
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(binding, attr)
+
+    with _AGENT_LOCK:
+        api.nixlBind = _Binding()
+        try:
+            return api.nixl_agent(name, config), delay_us
+        finally:
+            api.nixlBind = binding
+
+
 def _nixl_error(exc: BaseException) -> str:
     """``nixlNotFoundError: NIXL_ERR_NOT_FOUND`` from a binding exception."""
     return f"{type(exc).__name__}: {exc}"
@@ -204,7 +248,7 @@ class NixlEngine:
         self._api = api
         self._agent_name = f"aiotransfer-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         try:
-            agent = api.nixl_agent(self._agent_name, api.nixl_agent_config(backends=["UCX"]))
+            agent, self._progress_delay_us = _create_agent(api, self._agent_name, config.nixl_progress_delay_us)
         except Exception as exc:
             raise EngineError(f"NIXL agent creation failed: {_nixl_error(exc)}") from exc
         if "UCX" not in agent.backends:
@@ -246,6 +290,7 @@ class NixlEngine:
             "peers": len(self._peers),
             "in_flight": len(self._live),
             "unreleased_handles": len(self._unreleased),
+            "progress_delay_us": self._progress_delay_us,
         }
 
     def __repr__(self) -> str:

@@ -415,6 +415,7 @@ class KVManager:
             "control_dropped": dict(c.dropped) if c else {},
             "open_sockets": c.open_sockets if c else 0,
             "dead_peers": len(self._liveness.dead),
+            "staging_bytes_in_use": self._arena.in_use if self._arena is not None else 0,
             **dict(self.counters),
             **self.metrics.snapshot(),
         }
@@ -858,7 +859,9 @@ class KVManager:
         self, peer: _DecodePeer, src: np.ndarray, dst_start: int, slices: tuple[RowSlice, RowSlice], *,
         timeout: float, room: int,
     ) -> None:
-        """Gather -> one engine entry -> decode scatters; pieces pipelined two at a time."""
+        """Gather -> one engine entry -> decode scatters, per piece, pipelined: one gather at a time (the
+        copies are CPU-bound), its decode-side space asked for while it runs; writes in flight as long as
+        our arena has room; the decode's scatter and ack overlap the next pieces."""
         assert self._arena is not None and self._kv_views is not None and self._poller is not None
         assert peer.staging is not None and self._control is not None
         arena, remote = self._arena, peer.staging
@@ -873,22 +876,41 @@ class KVManager:
         step = max(1, cap // per_page)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        lanes = asyncio.Semaphore(2)
+        gathering = asyncio.Lock()
         dst_buffers = [int(j) for j in pairing.dst]
+
+        def staged_msg(grant: StageGrant, a: int, b: int, nbytes: int) -> Staged:
+            return Staged(
+                room=room, endpoint=self.endpoint, req_id=grant.req_id, offset=grant.offset, nbytes=nbytes,
+                dst_start=dst_start + a, n_pages=b - a, rows=d_sl.rows, heads=d_sl.heads, start=d_sl.start,
+                count=d_sl.count, head_bytes=d_sl.head_bytes, buffers=dst_buffers,
+            )
 
         async def piece(a: int, b: int) -> None:
             nbytes = (b - a) * per_page
-            async with lanes:
-                loff = await arena.acquire(nbytes, max(deadline - loop.time(), 0.0))
-                submitted = False
-                try:
-                    out = arena.view[loff : loff + nbytes]
-                    await self._offload.run(gather_pages, views, num_pages, src[a:b], s_sl, out,
-                                            timeout=max(deadline - loop.time(), 0.001), what="staging gather")
-                    grant = await self._stage_call(
+            posted = landed = False
+            granting: asyncio.Future[Any] | None = None
+            try:
+                async with gathering:
+                    loff = await arena.acquire(nbytes, max(deadline - loop.time(), 0.0))
+                    granting = asyncio.ensure_future(self._stage_call(
                         peer.endpoint, StageRequest(room=room, endpoint=self.endpoint, req_id=0, nbytes=nbytes),
                         deadline,
-                    )
+                    ))
+                    try:
+                        out = arena.view[loff : loff + nbytes]
+                        await self._offload.run(gather_pages, views, num_pages, src[a:b], s_sl, out,
+                                                timeout=max(deadline - loop.time(), 0.001), what="staging gather")
+                    except Exception as exc:
+                        arena.release(loff, nbytes)
+                        if isinstance(exc, AiotransferError):
+                            raise
+                        raise TransferFailed(f"staging gather failed: {exc!r}", room=room) from exc
+                    except BaseException:
+                        arena.release(loff, nbytes)
+                        raise
+                try:
+                    grant = await asyncio.shield(granting)  # a cancelled piece leaves the grant to be released
                     if not grant.granted:
                         raise TransferFailed(f"decode refused staging space: {grant.reason}", room=room)
                     blocks = Blocks(
@@ -896,23 +918,21 @@ class KVManager:
                         np.array([remote.ptr + grant.offset], dtype=np.uint64),
                         np.array([nbytes], dtype=np.uint64),
                     )
-                    submitted = True
-                    try:
-                        await poller.write(peer.session_id, blocks, timeout=max(deadline - loop.time(), 0.001))
-                    except EngineError as exc:
-                        raise TransferFailed(f"staged transfer to {peer.endpoint} failed: {exc}", room=room) from exc
-                    submitted = False  # landed: our copy is free again
+                    posted = True
+                    await poller.write(peer.session_id, blocks, timeout=max(deadline - loop.time(), 0.001))
+                    landed = True
+                except EngineError as exc:
+                    raise TransferFailed(f"staged transfer to {peer.endpoint} failed: {exc}", room=room) from exc
                 finally:
-                    if not submitted:
-                        arena.release(loff, nbytes)
-                staged = Staged(
-                    room=room, endpoint=self.endpoint, req_id=grant.req_id, offset=grant.offset, nbytes=nbytes,
-                    dst_start=dst_start + a, n_pages=b - a, rows=d_sl.rows, heads=d_sl.heads, start=d_sl.start,
-                    count=d_sl.count, head_bytes=d_sl.head_bytes, buffers=dst_buffers,
-                )
-                ack = await self._stage_call(peer.endpoint, staged, deadline)
+                    if landed or not posted:
+                        arena.release(loff, nbytes)  # our copy is free again (kept while the engine may read it)
+                ack = await self._stage_call(peer.endpoint, staged_msg(grant, a, b, nbytes), deadline)
                 if not ack.ok:
                     raise TransferFailed(f"decode could not scatter a staged piece: {ack.reason}", room=room)
+            except BaseException:
+                if granting is not None and not posted:
+                    self._release_grant_later(peer.endpoint, granting, room)
+                raise
             self.counters["kv_bytes_sent"] += nbytes
             self.counters["kv_entries_sent"] += 1
             self.counters["staged_pieces"] += 1
@@ -925,6 +945,22 @@ class KVManager:
             for t in tasks:
                 t.cancel()
             raise
+
+    def _release_grant_later(self, endpoint: str, granting: asyncio.Future[Any], room: int) -> None:
+        """A piece gave up before anything was written into the decode's space it asked for: hand that
+        space back (an empty ``Staged`` piece) once the grant arrives, so the decode does not hold it."""
+
+        async def release() -> None:
+            with contextlib.suppress(BaseException):
+                grant = await asyncio.shield(granting)
+                if grant.granted:
+                    msg = Staged(room=room, endpoint=self.endpoint, req_id=grant.req_id, offset=grant.offset,
+                                 nbytes=0, dst_start=0, n_pages=0, rows=1, heads=1, start=0, count=1,
+                                 head_bytes=1, buffers=[])
+                    await self._stage_call(endpoint, msg, asyncio.get_running_loop().time()
+                                           + self.config.handshake_timeout)
+
+        self._spawn(release(), "stage-release")
 
     async def _stage_call(self, endpoint: str, msg: StageRequest | Staged, deadline: float) -> Any:
         """Send a staging message and await its answer (grant or ack), bounded by ``deadline``."""
@@ -985,6 +1021,11 @@ class KVManager:
         assert self._arena is not None
         reason = None
         rx = self._receivers.get(msg.room)
+        if room == msg.room and off == msg.offset and msg.n_pages == 0:  # the prefill gave the space back unused
+            self._arena.release(off, nbytes)
+            self.counters["staging_space_returned"] += 1
+            self._spawn(self._reply(msg.endpoint, StagedAck(room=msg.room, req_id=msg.req_id, ok=True)), "staged-ack")
+            return
         if room != msg.room or off != msg.offset or msg.nbytes > nbytes:
             reason = "staged piece does not match its grant"
         elif rx is None or rx._pages is None:

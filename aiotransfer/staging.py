@@ -7,13 +7,17 @@ entry count. :func:`choose_staging` is the cost model that decides per chunk.
 
 Flow for one staged piece (prefill P, decode D), all on the control channel except the data:
 
-1. P gathers the piece into its own staging arena (offload thread, NumPy ``take``).
-2. P asks D for room in D's staging arena (``StageRequest``); D grants an offset when space frees up
-   (``StageGrant``): backpressure, nothing is dropped.
-3. P writes the piece with one engine entry, then tells D what it is (``Staged``).
-4. D validates it against the room's declared pages, scatters it into its KV pages (offload thread),
+1. P gathers the piece into its own staging arena (offload thread, NumPy ``take``; one gather at a
+   time, the copies are CPU-bound) and meanwhile asks D for room in D's staging arena
+   (``StageRequest``); D grants an offset when space frees up (``StageGrant``): backpressure, nothing is
+   dropped.
+2. P writes the piece with one engine entry (several pieces may be in flight, as long as P's arena has
+   room; the next gather runs meanwhile), then tells D what it is (``Staged``).
+3. D validates it against the room's declared pages, scatters it into its KV pages (offload thread),
    frees the space and acks (``StagedAck``). P counts the piece as landed only after the ack, so the
    Success status (sent after) always follows the scatter.
+4. A piece that fails before its write hands D's space back with an empty ``Staged`` (no pages, no
+   bytes); space a posted write may still land in stays held.
 
 Staging works on host memory (NumPy views of the registered buffers); device-resident KV uses the
 direct path.

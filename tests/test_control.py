@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -13,6 +14,7 @@ from aiotransfer import KVArgs, KVManager, KVPoll, TransferConfig, TransferFaile
 from aiotransfer.control.messages import (
     PROTOCOL_VERSION,
     Hello,
+    Staged,
     Status,
     TransferRequest,
     decode,
@@ -36,6 +38,19 @@ def test_codec_rejects_garbage_and_bad_values() -> None:
         decode(encode(TransferRequest(room=1, endpoint="e", generation=1, kv_indices=b"\x01\x02\x03")))
     ok = TransferRequest(room=1, endpoint="e", generation=1, kv_indices=pack_indices(np.arange(4)))
     assert decode(encode(ok)) == ok
+
+
+def test_staged_piece_or_space_handed_back_nothing_in_between() -> None:
+    """A staged piece either carries pages whose size matches its geometry, or is empty (the granted space
+    handed back): n_pages 0 with bytes or buffers, or bytes without pages, is refused."""
+    base: dict[str, Any] = {"room": 3, "endpoint": "e", "req_id": 1, "offset": 0, "dst_start": 0, "rows": 1,
+                            "heads": 1, "start": 0, "count": 1, "head_bytes": 8}
+    ok = [Staged(**base, nbytes=16, n_pages=2, buffers=[0]), Staged(**base, nbytes=0, n_pages=0, buffers=[])]
+    for msg in ok:
+        assert decode(encode(msg)) == msg
+    for nbytes, n_pages, buffers in ((8, 0, []), (0, 0, [0]), (16, 1, [0]), (0, 2, [0])):
+        with pytest.raises(ProtocolError):
+            decode(encode(Staged(**base, nbytes=nbytes, n_pages=n_pages, buffers=buffers)))
 
 
 async def test_garbage_leaves_manager_working(prefill: KVManager, decode: RemotePeer) -> None:

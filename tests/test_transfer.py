@@ -418,3 +418,38 @@ async def test_nixl_with_a_sleeping_progress_thread_moves_bytes_between_processe
     finally:
         await prefill.close()
         await decode.close()
+
+
+async def test_staged_piece_failing_before_its_write_hands_the_decode_space_back(
+    engine: str, decode: RemotePeer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A staged piece asks the decode for space while it gathers; when the gather fails nothing is written
+    there, so the space goes back (an empty piece) instead of staying held on the decode forever."""
+    from aiotransfer import KVArgs, TransferConfig
+    from aiotransfer import manager as manager_module
+    from tests.peer import make_buffers
+
+    def broken_gather(*args: object) -> None:
+        raise RuntimeError("gather broke")
+
+    monkeypatch.setattr(manager_module, "gather_pages", broken_gather)
+    bufs = make_buffers(GEOMETRY["buffers"], PAGES, GEOMETRY["item_len"], seed=78)
+    cfg = TransferConfig(engine=engine, staging="always", staging_bytes=1 << 20)
+    async with KVManager(KVArgs(bufs, page_size=16, dtype="uint8"), cfg) as mgr:
+        rng = np.random.default_rng(22)
+        dst, src = scattered(rng, 100), scattered(rng, 100)
+        tx = mgr.sender(13)
+        await decode.call("receiver", room=13, peer=mgr.endpoint, pages=dst)
+        await tx.wait_ready(timeout=10)
+        with pytest.raises(TransferFailed, match="gather broke"):
+            await tx.send_kv(src)
+        stats: dict[str, object] = {}
+        for _ in range(100):
+            stats = (await decode.call("stats"))["stats"]
+            if stats.get("staging_space_returned") and stats["staging_bytes_in_use"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        # one space per piece that had asked before the failure stopped the others
+        assert int(stats.get("staging_space_returned", 0)) >= 1, stats  # type: ignore[call-overload]
+        assert stats["staging_bytes_in_use"] == 0, stats
+        assert mgr.stats()["staging_bytes_in_use"] == 0

@@ -213,6 +213,7 @@ class Staged(msgspec.Struct, tag="staged", frozen=True):
     Layout: one segment per entry of ``buffers`` (decode buffer indices), each ``n_pages`` pages x
     ``rows`` rows x ``count`` heads x ``head_bytes``, going to heads ``[start, start+count)`` of rows of
     ``heads`` heads, for the decode pages ``kv_indices[dst_start : dst_start + n_pages]``.
+    With ``n_pages == nbytes == 0`` and no buffers, nothing was written: the granted space is handed back.
     """
 
     room: int
@@ -339,6 +340,9 @@ def validate(msg: Message) -> None:
             _check(msg.offset >= 0, "bad staging offset")
     elif isinstance(msg, Staged):
         _check_room(msg.room)
+        if msg.n_pages == 0 and msg.nbytes == 0 and not msg.buffers:  # the granted space handed back unused
+            _check(msg.offset >= 0 and msg.dst_start == 0, "bad staged piece")
+            return
         _check(msg.offset >= 0 and msg.nbytes > 0 and msg.dst_start >= 0 and msg.n_pages > 0, "bad staged piece")
         _check(msg.rows > 0 and msg.heads > 0 and msg.count > 0 and msg.head_bytes > 0, "bad staged geometry")
         _check(0 <= msg.start and msg.start + msg.count <= msg.heads, "bad staged head range")

@@ -237,7 +237,7 @@ def evaluate(res: dict[str, Any]) -> list[dict[str, Any]]:
                              "{:.2f} (" + ("n/a" if raw_share is None else f"{raw_share:.2f}") + ")", "-", None))
         w = a.get("worst")
         if w:
-            rows.append(_row("3 loop lag", e, "latest wake-up: ms late / run-queue wait ms / hypervisor steal ms",
+            rows.append(_row("3 loop lag", e, "worst wake-up: ms late / run-queue wait ms / hypervisor steal ms",
                              _num(w["overshoot_ms"]),
                              "{:.1f} / " + f"{w['runqueue_ms']:.1f} / {w['steal_ms']:.0f}", "-", None))
         if a.get("loop_cpu_share") is not None:

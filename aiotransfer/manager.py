@@ -951,7 +951,7 @@ class KVManager:
         space back (an empty ``Staged`` piece) once the grant arrives, so the decode does not hold it."""
 
         async def release() -> None:
-            with contextlib.suppress(BaseException):
+            with contextlib.suppress(Exception, asyncio.CancelledError):
                 grant = await asyncio.shield(granting)
                 if grant.granted:
                     msg = Staged(room=room, endpoint=self.endpoint, req_id=grant.req_id, offset=grant.offset,
@@ -1058,8 +1058,8 @@ class KVManager:
             await self._offload.run(scatter_pages, views, counts, pages, sl, src,
                                     timeout=self.config.transfer_timeout, what="staging scatter")
             self.counters["staged_pieces_received"] += 1
-        except AiotransferError as exc:
-            ok, reason = False, str(exc)
+        except Exception as exc:  # the prefill learns why instead of waiting for an ack that never comes
+            ok, reason = False, str(exc) if isinstance(exc, AiotransferError) else f"scatter failed: {exc!r}"
         finally:
             self._arena.release(off, nbytes)
         await self._reply(msg.endpoint, StagedAck(room=msg.room, req_id=msg.req_id, ok=ok, reason=reason))

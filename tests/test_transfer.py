@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
 
-from aiotransfer import InvalidArgument, KVManager, KVPoll, TransferFailed, TransferTimeout, _threads
+from aiotransfer import (
+    InvalidArgument,
+    KVManager,
+    KVPoll,
+    KVSender,
+    TransferFailed,
+    TransferTimeout,
+    _threads,
+)
 from tests.conftest import GEOMETRY, _nixl_available, expected_digest
 from tests.remote import RemoteError, RemotePeer
 
@@ -34,19 +44,29 @@ async def test_single_send_is_byte_exact(prefill: KVManager, decode: RemotePeer)
     assert tx.poll() is KVPoll.Success
 
 
-@pytest.mark.parametrize("staging", ["never", "always"])
-async def test_scattered_pages_direct_and_staged(engine: str, decode: RemotePeer, staging: str) -> None:
+@contextlib.asynccontextmanager
+async def scattered_room(
+    engine: str, decode: RemotePeer, room: int, n: int, staging: str, seed: int
+) -> AsyncIterator[tuple[KVManager, KVSender, list[np.ndarray], list[int], list[int]]]:
+    """A prefill manager in this process with a 1 MiB staging arena (many pieces), and a room of ``n``
+    scattered pages on each side, ready to send."""
     from aiotransfer import KVArgs, TransferConfig
     from tests.peer import make_buffers
 
-    bufs = make_buffers(GEOMETRY["buffers"], PAGES, GEOMETRY["item_len"], seed=77)
-    cfg = TransferConfig(engine=engine, staging=staging, staging_bytes=1 << 20)  # small arena: many pieces
+    bufs = make_buffers(GEOMETRY["buffers"], PAGES, GEOMETRY["item_len"], seed=seed)
+    cfg = TransferConfig(engine=engine, staging=staging, staging_bytes=1 << 20)
     async with KVManager(KVArgs(bufs, page_size=16, dtype="uint8"), cfg) as mgr:
-        rng = np.random.default_rng(21)
-        dst, src = scattered(rng, 200), scattered(rng, 200)
-        tx = mgr.sender(12)
-        await decode.call("receiver", room=12, peer=mgr.endpoint, pages=dst)
+        rng = np.random.default_rng(seed)
+        dst, src = scattered(rng, n), scattered(rng, n)
+        tx = mgr.sender(room)
+        await decode.call("receiver", room=room, peer=mgr.endpoint, pages=dst)
         await tx.wait_ready(timeout=10)
+        yield mgr, tx, bufs, src, dst
+
+
+@pytest.mark.parametrize("staging", ["never", "always"])
+async def test_scattered_pages_direct_and_staged(engine: str, decode: RemotePeer, staging: str) -> None:
+    async with scattered_room(engine, decode, 12, 200, staging, seed=77) as (mgr, tx, bufs, src, dst):
         await tx.send_kv(src[:77], last=False)
         await tx.send_kv(src[77:])
         await decode.call("done", room=12)
@@ -425,22 +445,13 @@ async def test_staged_piece_failing_before_its_write_hands_the_decode_space_back
 ) -> None:
     """A staged piece asks the decode for space while it gathers; when the gather fails nothing is written
     there, so the space goes back (an empty piece) instead of staying held on the decode forever."""
-    from aiotransfer import KVArgs, TransferConfig
     from aiotransfer import manager as manager_module
-    from tests.peer import make_buffers
 
     def broken_gather(*args: object) -> None:
         raise RuntimeError("gather broke")
 
     monkeypatch.setattr(manager_module, "gather_pages", broken_gather)
-    bufs = make_buffers(GEOMETRY["buffers"], PAGES, GEOMETRY["item_len"], seed=78)
-    cfg = TransferConfig(engine=engine, staging="always", staging_bytes=1 << 20)
-    async with KVManager(KVArgs(bufs, page_size=16, dtype="uint8"), cfg) as mgr:
-        rng = np.random.default_rng(22)
-        dst, src = scattered(rng, 100), scattered(rng, 100)
-        tx = mgr.sender(13)
-        await decode.call("receiver", room=13, peer=mgr.endpoint, pages=dst)
-        await tx.wait_ready(timeout=10)
+    async with scattered_room(engine, decode, 13, 100, "always", seed=78) as (mgr, tx, _, src, _):
         with pytest.raises(TransferFailed, match="gather broke"):
             await tx.send_kv(src)
         stats: dict[str, object] = {}
@@ -453,3 +464,14 @@ async def test_staged_piece_failing_before_its_write_hands_the_decode_space_back
         assert int(stats.get("staging_space_returned", 0)) >= 1, stats  # type: ignore[call-overload]
         assert stats["staging_bytes_in_use"] == 0, stats
         assert mgr.stats()["staging_bytes_in_use"] == 0
+
+
+async def test_staged_piece_the_decode_cannot_scatter_fails_with_its_reason(engine: str, decode: RemotePeer) -> None:
+    """An unexpected error while the decode scatters a piece comes back in the ack: the prefill fails the
+    transfer at once, with the decode's reason, instead of waiting for an ack until its deadline."""
+    await decode.call("break_scatter")
+    async with scattered_room(engine, decode, 14, 50, "always", seed=79) as (_, tx, _, src, _):
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(TransferFailed, match="scatter broke"):
+            await tx.send_kv(src, timeout=30)
+        assert asyncio.get_running_loop().time() - t0 < 10

@@ -5,7 +5,9 @@ socket; UCX has progress threads). On a host with few cores those threads compet
 CPU, and the loop's wake-ups wait behind them. Under ``SCHED_IDLE`` they get every cycle nobody else wants,
 and any normal thread that becomes runnable (the event loop, ZMQ's I/O thread, your own threads) runs
 first. The cost: when every core is busy with normal-priority work, the engine's threads get almost
-nothing and transfers slow down.
+nothing and transfers slow down. Only for engines whose threads sleep while idle (``quiet_threads``): a
+thread that polls without pause while holding the engine's lock (UCX's progress thread under NIXL) would be
+preempted with the lock held, and every call of ours would wait behind it; the manager declines there.
 
 Which threads: those that appeared in this process after the first engine-owning manager started to create
 its engine (``mark_foreign`` snapshot), except Python threads (the library's executor and waiter threads run

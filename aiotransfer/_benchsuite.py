@@ -156,6 +156,10 @@ class Params:
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
 
+    def manager_config(self) -> dict[str, Any]:
+        """``TransferConfig`` fields every manager of the run gets, on both sides."""
+        return {"engine_threads": self.engine_threads, "nixl_progress_delay_us": self.nixl_progress_delay_us}
+
     @classmethod
     def from_json(cls, text: str) -> Params:
         return cls(**json.loads(text))
@@ -601,8 +605,8 @@ async def _decode_worker(ns: argparse.Namespace) -> int:
     async def setup(cmd: dict[str, Any]) -> dict[str, Any]:
         name = cmd["name"]
         await close_setup(name)
-        cfg = TransferConfig(engine=spec.engine, hostname=params.host, engine_threads=params.engine_threads,
-                             nixl_progress_delay_us=params.nixl_progress_delay_us, **cmd.get("cfg", {}))
+        cfg = TransferConfig(engine=spec.engine, hostname=params.host,
+                             **{**params.manager_config(), **cmd.get("cfg", {})})
         pools: list[KVPool] = []
         auxes: list[npt.NDArray[np.uint8]] = []
         mgrs: list[Any] = []
@@ -818,8 +822,7 @@ class _Ctx:
         from . import TransferConfig
 
         return TransferConfig(engine=self.spec.engine, hostname=self.params.host,
-                              **{"engine_threads": self.params.engine_threads,
-                                 "nixl_progress_delay_us": self.params.nixl_progress_delay_us, **overrides})
+                              **{**self.params.manager_config(), **overrides})
 
     async def flat(self, name: str, *, pages: int, page_bytes: int, n: int = 1,
                    cfgs: Sequence[dict[str, Any]] | None = None, aux_slots: int = 0,

@@ -8,9 +8,9 @@ from __future__ import annotations
 from ._lag import LoopLagMonitor as LoopLagMonitor
 from .args import Buffer as Buffer
 from .args import KVArgs as KVArgs
-from .aux import MemPool as MemPool
-from .aux import StateType as StateType
-from .aux import alloc_metadata_buffer as alloc_metadata_buffer
+from .aux_state import MemPool as MemPool
+from .aux_state import StateType as StateType
+from .aux_state import alloc_metadata_buffer as alloc_metadata_buffer
 from .config import AuxPath as AuxPath
 from .config import TransferConfig as TransferConfig
 from .errors import AiotransferError as AiotransferError

@@ -54,9 +54,19 @@ class Offloader:
             with self._lock:
                 self._running -= 1
 
-    async def run(self, fn: Callable[..., T], *args: Any, timeout: float | None, what: str) -> T:
-        """Run ``fn(*args)`` on the executor and await it for at most ``timeout`` seconds."""
+    async def run(
+        self, fn: Callable[..., T], *args: Any, timeout: float | None, what: str,
+        on_done: Callable[[], None] | None = None,
+    ) -> T:
+        """Run ``fn(*args)`` on the executor and await it for at most ``timeout`` seconds.
+
+        ``on_done`` runs on the event loop exactly once, when the call can no longer touch anything: after it
+        returned or raised on its thread, or at once if it was never started. When the wait ends early
+        (timeout or cancellation) the call goes on running on its thread, and ``on_done`` waits for it: memory
+        the call reads or writes is freed from ``on_done``, never by the awaiting coroutine."""
         if self._closed:
+            if on_done is not None:
+                on_done()
             raise ClosedError(f"offload executor {self.name!r} is closed")
         loop = asyncio.get_running_loop()
         with self._lock:
@@ -66,6 +76,8 @@ class Offloader:
         except concurrent.futures.BrokenExecutor as exc:
             with self._lock:
                 self._running -= 1
+            if on_done is not None:
+                on_done()
             raise ConfigError(
                 f"offload executor {self.name!r} is broken: its thread initializer (device binding) failed; "
                 "check TransferConfig.device_id"
@@ -73,15 +85,19 @@ class Offloader:
         except RuntimeError:
             with self._lock:
                 self._running -= 1
+            if on_done is not None:
+                on_done()
             raise ClosedError(f"offload executor {self.name!r} is shut down") from None
         try:
             done, _ = await asyncio.wait({fut}, timeout=timeout)
         except asyncio.CancelledError:
-            fut.add_done_callback(_discard_result)
+            _abandon(fut, on_done)
             raise
         if not done:
-            fut.add_done_callback(_discard_result)
+            _abandon(fut, on_done)
             raise TransferTimeout(f"{what} did not finish within {timeout:.3g}s (still running on its thread)")
+        if on_done is not None:
+            on_done()
         try:
             return fut.result()
         except concurrent.futures.BrokenExecutor as exc:
@@ -101,6 +117,12 @@ class Offloader:
     def shutdown(self, *, wait: bool) -> None:
         self._closed = True
         self._executor.shutdown(wait=wait, cancel_futures=True)
+
+
+def _abandon(fut: asyncio.Future[Any], on_done: Callable[[], None] | None) -> None:
+    fut.add_done_callback(_discard_result)
+    if on_done is not None:
+        fut.add_done_callback(lambda _: on_done())
 
 
 def _discard_result(fut: asyncio.Future[Any]) -> None:

@@ -17,7 +17,7 @@ ENV_PREFIX = "AIOTRANSFER_"
 
 
 class AuxPath(str, enum.Enum):
-    """Which path ``send_aux`` uses (see :func:`aiotransfer.aux.select_aux_path`)."""
+    """Which path ``send_aux`` uses (see :func:`aiotransfer.aux_state.select_aux_path`)."""
 
     AUTO = "auto"
     ENGINE = "engine"

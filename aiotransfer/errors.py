@@ -67,11 +67,25 @@ class TransferFailed(AiotransferError):
 
 
 class TransferTimeout(AiotransferError, TimeoutError):
-    """A bounded wait expired (handshake, readiness, transfer or completion)."""
+    """A bounded wait expired (handshake, readiness, transfer or completion).
+
+    ``room`` and ``peer`` say which room and which peer endpoint the wait concerned, where known."""
+
+    def __init__(self, message: str, *, room: int | None = None, peer: str | None = None) -> None:
+        super().__init__(message)
+        self.room = room
+        self.peer = peer
 
 
 class PeerError(AiotransferError, ConnectionError):
-    """The peer is unreachable, dead, or sent something we refuse."""
+    """The peer is unreachable, dead, or sent something we refuse.
+
+    ``room`` and ``peer`` say which room and which peer endpoint the error concerns, where known."""
+
+    def __init__(self, message: str, *, room: int | None = None, peer: str | None = None) -> None:
+        super().__init__(message)
+        self.room = room
+        self.peer = peer
 
 
 class IncompatiblePeer(PeerError):

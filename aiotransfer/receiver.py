@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
-import asyncio
-import logging
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from ._room import RoomSide
-from .errors import InvalidArgument, TransferFailed, TransferTimeout
+from ._deadline import Deadline
+from ._kv.client import PrefillClient, Route
+from ._kv.context import RankContext, annotate, validate_state_indices
+from ._kv.notify import Notifier
+from ._kv.room import RoomSide
+from .errors import InvalidArgument, PeerError, TransferFailed, TransferTimeout
 from .plan import as_index_array, check_range, check_unique
 from .status import KVPoll
 
-if TYPE_CHECKING:
-    from .manager import KVManager
-
 __all__ = ["KVReceiver"]
-
-log = logging.getLogger("aiotransfer.receiver")
 
 
 class KVReceiver(RoomSide):
@@ -29,29 +26,45 @@ class KVReceiver(RoomSide):
     Success when every required prefill rank reported Success, or Failed (sticky, with a reason).
     """
 
-    def __init__(self, manager: KVManager, room: int, peer: str, prefill_dp_rank: int | None = None) -> None:
-        super().__init__(room)
-        self._m = manager
+    def __init__(
+        self, ctx: RankContext, room: int, peer: str, prefill_dp_rank: int | None, client: PrefillClient,
+        notifier: Notifier, on_terminal: Callable[[RoomSide], None] | None = None,
+    ) -> None:
+        super().__init__(room, on_terminal)
+        self._ctx = ctx
+        self._client = client
+        self._notifier = notifier
         self.peer = peer
         self.prefill_dp_rank = prefill_dp_rank
-        self._all_targets: list[str] = []
+        self._route: Route | None = None
         self._pages: np.ndarray | None = None
         self._sent = False
-        self._targets: dict[str, int] = {}
-        """prefill endpoint -> prefill rank, for every rank we expect a status from."""
-        self._required = 0
         self._succeeded: set[int] = set()
         self.aux_index: int | None = None
         self.state_indices: dict[str, list[int]] = {}
         self.aux_path: str | None = None
         """How the aux arrived (``engine`` / ``tcp``), as reported with Success."""
-        self._aux_received: set[int] = set()
 
     def __repr__(self) -> str:
         return (
             f"<KVReceiver room={self.room} peer={self.peer} {self.poll().name} "
-            f"responses={len(self._succeeded)}/{self._required}>"
+            f"responses={len(self._succeeded)}/{self._route.required if self._route else 0}>"
         )
+
+    @property
+    def pages(self) -> np.ndarray | None:
+        """The page indices declared by :meth:`send_metadata` (None before)."""
+        return self._pages
+
+    @property
+    def sources(self) -> Mapping[str, int]:
+        """Prefill endpoint -> prefill rank, for every rank this room expects data and a status from."""
+        return self._route.sources if self._route is not None else {}
+
+    @property
+    def prefill_endpoints(self) -> list[str]:
+        """Every prefill rank this room involves (dummy ranks included); empty before the metadata is routed."""
+        return list(self._route.endpoints) if self._route is not None else []
 
     # -- public API -----------------------------------------------------------------------------
     async def send_metadata(
@@ -65,36 +78,42 @@ class KVReceiver(RoomSide):
         """Tell the prefill rank(s) where to write: local page indices, aux slot and state slots.
 
         Validated here before anything is sent: indices in range and unique, aux slot in range.
-        The first call to a peer also registers this rank's buffers with it (bounded handshake).
+        The first call to a peer also registers this rank's buffers with it (bounded handshake);
+        ``timeout`` bounds the whole call.
         """
-        m = self._m
-        m._check_open()
+        ctx = self._ctx
+        ctx.check_open()
         if self._status is KVPoll.Failed:
             raise TransferFailed(self._reason or "failed", room=self.room)
         if self._sent:
             raise InvalidArgument(f"room {self.room}: metadata was already sent")
         pages = as_index_array(kv_indices, what="kv_indices")
-        check_range(pages, m.args.num_pages, what="kv_indices")
+        check_range(pages, ctx.args.num_pages, what="kv_indices")
         check_unique(pages, what="kv_indices")
         if pages.size and int(pages.max()) >= 2**31:
             raise InvalidArgument("kv_indices must fit in int32")
         if aux_index is not None:
-            slots = min((b.num_items for b in m.args.aux), default=0)
-            if not m.args.aux:
+            slots = min((b.num_items for b in ctx.args.aux), default=0)
+            if not ctx.args.aux:
                 raise InvalidArgument("aux_index given but this manager has no aux buffers")
             if not 0 <= aux_index < slots:
                 raise InvalidArgument(f"aux_index {aux_index} out of range [0, {slots})")
-        states = m._validate_state_indices(state_indices or {})
-        t = m.config.handshake_timeout if timeout is None else timeout
+        states = validate_state_indices(ctx.args, state_indices or {})
+        deadline = Deadline(ctx.config.handshake_timeout if timeout is None else timeout)
         self._sent = True
         self._pages = pages
         try:
-            await m._send_request(self, pages, aux_index, states, timeout=t)
+            self._route = await self._client.route(self.room, self.peer, self.prefill_dp_rank, pages, aux_index,
+                                                   states, deadline)
+            await self._client.send(self._route, deadline)
         except BaseException as exc:
             self._sent = False
-            if not isinstance(exc, (InvalidArgument,)):
-                m._rx_update(self.room, KVPoll.Failed, f"metadata not delivered: {exc}")
+            if isinstance(exc, (TransferTimeout, PeerError)):
+                annotate(exc, self.room, self.peer)
+            if not isinstance(exc, InvalidArgument):
+                self.update(KVPoll.Failed, f"metadata not delivered: {str(exc) or type(exc).__name__}")
             raise
+        self.update(KVPoll.WaitingForInput)
         self.aux_index = aux_index
         self.state_indices = states
 
@@ -104,13 +123,13 @@ class KVReceiver(RoomSide):
         Raises :class:`TransferFailed` (``.reason`` says why, as reported by prefill) or
         :class:`TransferTimeout` (the room is then failed and prefill is told).
         """
-        m = self._m
-        m._check_open()
-        t = m.config.done_timeout if timeout is None else timeout
-        deadline = asyncio.get_running_loop().time() + t
-        if not await self._wait_until(lambda: self._status.is_terminal, deadline):
-            await self.abort(f"decode gave up waiting after {t:.3g}s")
-            raise TransferTimeout(f"room {self.room}: no completion within {t:.3g}s")
+        ctx = self._ctx
+        ctx.check_open()
+        deadline = Deadline(ctx.config.done_timeout if timeout is None else timeout)
+        if not await self._wait_until(lambda: self._status.is_terminal, deadline.at):
+            await self.abort(f"decode gave up waiting after {deadline.budget:.3g}s")
+            raise TransferTimeout(f"room {self.room}: no completion within {deadline.budget:.3g}s",
+                                  room=self.room, peer=self.peer)
         if self._status is KVPoll.Failed:
             raise TransferFailed(self._reason or "failed", room=self.room)
 
@@ -118,22 +137,20 @@ class KVReceiver(RoomSide):
         """Fail the room here and tell every prefill rank involved."""
         if self._status.is_terminal:
             return
-        self._m._rx_update(self.room, KVPoll.Failed, reason)
-        await self._m._notify_abort(self.room, self._all_targets or list(self._targets), reason)
+        self.update(KVPoll.Failed, reason)
+        await self._notifier.abort(self.room, self.prefill_endpoints, reason)
 
-    # -- called by the manager ------------------------------------------------------------------
-    def _on_prefill_status(
-        self, endpoint: str, rank: int, status: KVPoll, reason: str, aux_path: str = ""
-    ) -> bool:
-        """Apply one prefill rank's report; returns False if that endpoint is not a target."""
-        if endpoint not in self._targets:
+    # -- reports from prefill ranks (the manager's decode side calls this) --------------------------
+    def on_prefill_status(self, endpoint: str, rank: int, status: KVPoll, reason: str, aux_path: str = "") -> bool:
+        """Apply one prefill rank's report; returns False if that endpoint is not one of the room's sources."""
+        if endpoint not in self.sources:
             return False
         if status is KVPoll.Failed:
-            self._m._rx_update(self.room, KVPoll.Failed, reason or "prefill reported failure")
+            self.update(KVPoll.Failed, reason or "prefill reported failure")
         elif status is KVPoll.Success:
             if aux_path:
                 self.aux_path = aux_path
             self._succeeded.add(rank)
-            if len(self._succeeded) >= self._required:
-                self._m._rx_update(self.room, KVPoll.Success)
+            if self._route is not None and len(self._succeeded) >= self._route.required:
+                self.update(KVPoll.Success)
         return True

@@ -4,33 +4,32 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from ._room import RoomSide
-from .errors import InvalidArgument, TransferFailed, TransferTimeout
+from ._deadline import Deadline
+from ._kv.context import RankContext, annotate, validate_state_indices
+from ._kv.notify import Notifier
+from ._kv.peers import DecodePeer
+from ._kv.push import Pusher
+from ._kv.room import RoomSide
+from .control.messages import TransferRequest
+from .errors import InvalidArgument, PeerError, TransferFailed, TransferTimeout
 from .plan import as_index_array, check_range
 from .status import KVPoll
 
-if TYPE_CHECKING:
-    from .control.messages import TransferRequest
-    from .manager import KVManager, _DecodePeer
-
 __all__ = ["KVSender"]
-
-log = logging.getLogger("aiotransfer.sender")
 
 
 @dataclass
 class _Dst:
     """One decode rank this room sends to."""
 
-    peer: _DecodePeer
+    peer: DecodePeer
     request: TransferRequest
     kv_indices: np.ndarray
 
@@ -47,9 +46,14 @@ class KVSender(RoomSide):
     side receives too).
     """
 
-    def __init__(self, manager: KVManager, room: int) -> None:
-        super().__init__(room)
-        self._m = manager
+    def __init__(
+        self, ctx: RankContext, room: int, pusher: Pusher, notifier: Notifier,
+        on_terminal: Callable[[RoomSide], None] | None = None,
+    ) -> None:
+        super().__init__(room, on_terminal)
+        self._ctx = ctx
+        self._pusher = pusher
+        self._notifier = notifier
         self._dsts: dict[str, _Dst] = {}
         self._required: int | None = None
         self._num_dst_pages: int | None = None
@@ -74,8 +78,7 @@ class KVSender(RoomSide):
         )
 
     # -- status ---------------------------------------------------------------------------------
-    def _set_status(self, status: KVPoll, reason: str | None = None) -> None:
-        super()._set_status(status, reason)
+    def _changed(self, status: KVPoll) -> None:
         if status is KVPoll.Failed:
             # Interrupt sends in progress (peer declared dead, abort...): they return at once; the engine
             # transfers they started keep their buffers pinned until the engine reports them done.
@@ -84,6 +87,8 @@ class KVSender(RoomSide):
                 if task is not current and task not in self._interrupted:
                     self._interrupted.add(task)
                     task.cancel()
+        if status.is_terminal:
+            self._pusher.forget(self.room)
 
     async def _run_or_fail(self, aw: Any) -> Any:
         """Await ``aw``; it is interrupted if the room fails meanwhile. Any error fails the room on both
@@ -108,22 +113,30 @@ class KVSender(RoomSide):
         except TransferFailed as exc:
             await asyncio.shield(self._fail(exc.reason))
             raise
+        except (TransferTimeout, PeerError) as exc:
+            annotate(exc, self.room, self._peer_hint())
+            await self._fail_from(exc)
+            raise
         except BaseException as exc:
             await self._fail_from(exc)
             raise
 
-    async def _wait_for_status(self, predicate: Any, timeout: float, what: str) -> None:
-        deadline = asyncio.get_running_loop().time() + timeout
-        if not await self._wait_until(predicate, deadline):
-            raise TransferTimeout(f"room {self.room}: {what} not reached within {timeout:.3g}s")
+    def _peer_hint(self) -> str | None:
+        return next(iter(self._dsts), None)
+
+    async def _wait_for_status(self, predicate: Any, deadline: Deadline, what: str) -> None:
+        if not await self._wait_until(predicate, deadline.at):
+            raise TransferTimeout(f"room {self.room}: {what} not reached within {deadline.budget:.3g}s",
+                                  room=self.room, peer=self._peer_hint())
 
     def _raise_if_failed(self) -> None:
         if self._status is KVPoll.Failed:
             raise TransferFailed(self._reason or "failed", room=self.room)
 
-    # -- requests from decode (called by the manager) --------------------------------------------
-    def _add_request(self, peer: _DecodePeer, req: TransferRequest, kv_indices: np.ndarray) -> str | None:
-        """Record one decode rank's request; returns a refusal reason or None."""
+    # -- requests from decode (the manager's prefill side calls this) --------------------------------
+    def admit(self, peer: DecodePeer, req: TransferRequest, kv_indices: np.ndarray) -> str | None:
+        """Record one decode rank's transfer request (checked by the prefill side); returns a refusal
+        reason or None. Once every required decode rank has spoken, the room is WaitingForInput."""
         if self._status is KVPoll.Failed or self._status is KVPoll.Success:
             return f"room {self.room} is already {self._status.name}"
         if self._required is None:
@@ -143,8 +156,13 @@ class KVSender(RoomSide):
         if len(self._dsts) >= self._required:
             if self._num_dst_pages is None:
                 self._num_dst_pages = 0
-            self._m._tx_update(self.room, KVPoll.WaitingForInput)
+            self.update(KVPoll.WaitingForInput)
         return None
+
+    @property
+    def decode_endpoints(self) -> list[str]:
+        """Control endpoints of the decode ranks that asked for this room so far."""
+        return list(self._dsts)
 
     @property
     def num_pages(self) -> int | None:
@@ -184,11 +202,11 @@ class KVSender(RoomSide):
 
         On timeout the room fails (decode never spoke) and :class:`TransferTimeout` is raised.
         """
-        self._m._check_open()
-        t = self._m.config.ready_timeout if timeout is None else timeout
+        self._ctx.check_open()
+        t = self._ctx.config.ready_timeout if timeout is None else timeout
         try:
             await self._wait_for_status(
-                lambda: self._status is not KVPoll.Bootstrapping, t, "WaitingForInput (decode metadata)"
+                lambda: self._status is not KVPoll.Bootstrapping, Deadline(t), "WaitingForInput (decode metadata)"
             )
         except TransferTimeout as exc:
             await self._fail(f"decode metadata did not arrive within {t:.3g}s")
@@ -200,17 +218,18 @@ class KVSender(RoomSide):
 
         Chunks fill consecutive slices of the decode's page list. With ``last=True`` (default) the chunk
         must complete the list; the room then concludes Success once aux/state declared by decode have
-        been delivered too. Raises :class:`InvalidArgument` before any byte moves on bad input.
+        been delivered too. ``timeout`` bounds the whole call, the conclusion included. Raises
+        :class:`InvalidArgument` before any byte moves on bad input.
         """
-        m = self._m
-        m._check_open()
+        ctx = self._ctx
+        ctx.check_open()
         self._raise_if_failed()
         if self._status is KVPoll.Bootstrapping:
             raise InvalidArgument(f"room {self.room} is not ready: await sender.wait_ready() first")
         if self._status is KVPoll.Success or self._last_reserved:
             raise InvalidArgument(f"room {self.room}: the last chunk was already sent")
         src = as_index_array(indices, what="send_kv indices")
-        check_range(src, m.args.num_pages, what="send_kv indices")
+        check_range(src, ctx.args.num_pages, what="send_kv indices")
         assert self._num_dst_pages is not None
         if self.is_dummy:
             # Every decode rank told us to stand by (MLA / CP / replica dummies): nothing moves, but the
@@ -218,7 +237,7 @@ class KVSender(RoomSide):
             if last:
                 self._last_reserved = True
                 self._kv_done = True
-                m._tx_update(self.room, KVPoll.Success)
+                self.update(KVPoll.Success)
             return
         remaining = self._num_dst_pages - self._cursor
         if src.size > remaining:
@@ -233,29 +252,29 @@ class KVSender(RoomSide):
         start, self._cursor = self._cursor, self._cursor + int(src.size)
         if last:
             self._last_reserved = True
-        t = m.config.transfer_timeout if timeout is None else timeout
-        m._tx_update(self.room, KVPoll.Transferring)
+        deadline = Deadline(ctx.config.transfer_timeout if timeout is None else timeout)
+        self.update(KVPoll.Transferring)
         self._chunks_in_flight += 1
         t0 = time.monotonic()
         try:
-            await self._run_or_fail(self._run_chunk(src, start, t, conclude=last))
-            m.metrics.observe("send_kv", time.monotonic() - t0)
+            await self._run_or_fail(self._run_chunk(src, start, deadline, conclude=last))
+            ctx.metrics.observe("send_kv", time.monotonic() - t0)
             if last:
-                await self._run_or_fail(self._finish(t))
+                await self._run_or_fail(self._finish(deadline))
         finally:
             self._chunks_in_flight -= 1
             self._chunk_finished.set()
 
-    async def _run_chunk(self, src: np.ndarray, start: int, timeout: float, conclude: bool = False) -> None:
-        real = [d for d in self._dsts.values() if not d.is_dummy]
+    async def _run_chunk(self, src: np.ndarray, start: int, deadline: Deadline, conclude: bool = False) -> None:
+        real = self._real_dsts()
         if not real or src.size == 0:
             return
         on_done = None
-        if conclude and len(real) == 1 and not self._m.config.checksum:
+        if conclude and len(real) == 1 and not self._ctx.config.checksum:
             on_done = functools.partial(self._conclude_on_completion, real[0].peer)
         coros = [
-            self._m._write_kv(d.peer, src, d.kv_indices[start : start + src.size], timeout=timeout, room=self.room,
-                              dst_start=start, on_done=on_done)
+            self._pusher.write_kv(self.room, d.peer, src, d.kv_indices[start : start + src.size], deadline,
+                                  dst_start=start, on_done=on_done)
             for d in real
         ]
         if len(coros) == 1:
@@ -265,18 +284,18 @@ class KVSender(RoomSide):
             for r in results:
                 if isinstance(r, BaseException):
                     raise r
-        self.bytes_sent += sum(b.item_len for b in self._m.args.kv) * int(src.size) * len(real)
+        self.bytes_sent += sum(b.item_len for b in self._ctx.args.kv) * int(src.size) * len(real)
 
-    async def _finish(self, timeout: float) -> None:
-        """Last chunk: wait for earlier chunks, deliver aux/state, then notify Success (same channel)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+    async def _finish(self, deadline: Deadline) -> None:
+        """Last chunk: wait for earlier chunks, deliver aux/state, then notify Success (same channel), all
+        within the deadline of the ``send_kv`` call that sent it."""
         while self._chunks_in_flight > 1:  # our own chunk counts as one; wait for the others
             self._chunk_finished.clear()
             try:
-                await asyncio.wait_for(self._chunk_finished.wait(), max(deadline - loop.time(), 0))
+                await asyncio.wait_for(self._chunk_finished.wait(), deadline.remaining(0.0))
             except asyncio.TimeoutError:
-                raise TransferTimeout(f"room {self.room}: earlier chunks did not finish in time") from None
+                raise TransferTimeout(f"room {self.room}: earlier chunks did not finish in time",
+                                      room=self.room, peer=self._peer_hint()) from None
         self._raise_if_failed()
         self._kv_done = True
         await self._maybe_conclude(deadline)
@@ -286,28 +305,29 @@ class KVSender(RoomSide):
         """Aux and state are delivered, or were not declared by decode."""
         return not (self.needs_aux and not self._aux_sent) and not (self.declared_state and not self._state_sent)
 
-    def _conclude_on_completion(self, peer: _DecodePeer) -> None:
+    def _conclude_on_completion(self, peer: DecodePeer) -> None:
         """The last chunk's engine write just completed: when nothing else is owed (no other chunk in flight,
         aux and state delivered or not declared), Success leaves for the decode rank right here instead of
         after this task resumes, which takes the resumption off the decode's critical path. Anything else,
         or a message that cannot leave at once, is left to :meth:`_finish`."""
         if self._status.is_terminal or self._concluding or self._chunks_in_flight != 1 or not self._extras_delivered:
             return
-        if self._m._try_conclude_now(self, peer):
-            self._m.counters["success_at_completion"] += 1
+        if self._notifier.try_success_now(self.room, peer, self.aux_path or ""):
+            self._ctx.counters["success_at_completion"] += 1
             self._kv_done = True
             self._concluding = True
-            self._m._tx_update(self.room, KVPoll.Success)
+            self.update(KVPoll.Success)
 
-    async def _maybe_conclude(self, deadline: float) -> None:
+    async def _maybe_conclude(self, deadline: Deadline) -> None:
         """Success once the last KV chunk, the declared aux and the declared state have all landed."""
         if self._concluding or not self._kv_done or not self._extras_delivered:
             return
         self._concluding = True
-        await self._m._conclude_success(self, self._real_dsts(), deadline)
+        await self._notifier.success(self.room, [d.peer for d in self._real_dsts()], self.aux_path or "", deadline)
+        self.update(KVPoll.Success)
 
     def _check_sendable(self) -> None:
-        self._m._check_open()
+        self._ctx.check_open()
         self._raise_if_failed()
         if self._status is KVPoll.Bootstrapping:
             raise InvalidArgument(f"room {self.room} is not ready: await sender.wait_ready() first")
@@ -317,31 +337,31 @@ class KVSender(RoomSide):
     async def send_aux(self, aux_index: int, *, timeout: float | None = None) -> None:
         """Send local aux slot ``aux_index`` into the slot each decode rank declared.
 
-        The path (engine or TCP control channel) follows :func:`aiotransfer.aux.select_aux_path`; on the
-        ``auto`` path an engine failure falls back to TCP. Aux always lands before Success is sent.
+        The path (engine or TCP control channel) follows :func:`aiotransfer.aux_state.select_aux_path`; on the
+        ``auto`` path an engine failure falls back to TCP within the same ``timeout``. Aux always lands
+        before Success is sent.
         """
         self._check_sendable()
-        m = self._m
+        ctx = self._ctx
         if self.is_dummy:
             return  # a dummy rank sends nothing; its decode peers did not ask it for aux
         if self._aux_sent:
             raise InvalidArgument(f"room {self.room}: aux was already sent")
-        if not m.args.aux:
+        if not ctx.args.aux:
             raise InvalidArgument("send_aux: this manager has no aux buffers")
-        slots = min(b.num_items for b in m.args.aux)
+        slots = min(b.num_items for b in ctx.args.aux)
         if isinstance(aux_index, bool) or not isinstance(aux_index, (int, np.integer)) or not 0 <= aux_index < slots:
             raise InvalidArgument(f"aux_index {aux_index!r} out of range [0, {slots})")
-        t = m.config.transfer_timeout if timeout is None else timeout
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + t
-        m._tx_update(self.room, KVPoll.Transferring)
+        deadline = Deadline(ctx.config.transfer_timeout if timeout is None else timeout)
+        self.update(KVPoll.Transferring)
         dsts = [d for d in self._real_dsts() if d.request.aux_index >= 0]
         paths = await self._run_or_fail(asyncio.gather(*(
-            m._send_aux(d.peer, self.room, int(aux_index), d.request.aux_index, t) for d in dsts
+            self._pusher.send_aux(self.room, d.peer, int(aux_index), d.request.aux_index, deadline)
+            for d in dsts
         )))
         self.aux_path = paths[0] if paths else None
         self._aux_sent = True
-        await self._maybe_conclude(deadline)
+        await self._run_or_fail(self._maybe_conclude(deadline))
 
     async def send_state(self, states: Mapping[str, Any], *, timeout: float | None = None) -> None:
         """Send per-request state: ``{kind: local indices}`` (one slot for ``mamba``; pages for ``swa``/``nsa``).
@@ -350,12 +370,12 @@ class KVSender(RoomSide):
         both sides with the reason.
         """
         self._check_sendable()
-        m = self._m
+        ctx = self._ctx
         if self.is_dummy:
             return  # a dummy rank sends nothing; its decode peers did not ask it for state
         if self._state_sent:
             raise InvalidArgument(f"room {self.room}: state was already sent")
-        local = m._validate_state_indices(states, role="send_state")
+        local = validate_state_indices(ctx.args, states, role="send_state")
         declared = self.declared_state
         problem = None
         if set(local) != set(declared):
@@ -370,23 +390,21 @@ class KVSender(RoomSide):
         if problem is not None:
             await self._fail(problem)
             raise TransferFailed(problem, room=self.room)
-        t = m.config.transfer_timeout if timeout is None else timeout
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + t
-        m._tx_update(self.room, KVPoll.Transferring)
+        deadline = Deadline(ctx.config.transfer_timeout if timeout is None else timeout)
+        self.update(KVPoll.Transferring)
         await self._run_or_fail(asyncio.gather(*(
-            m._write_state(d.peer, kind, np.asarray(idx, dtype=np.int64),
-                           np.asarray(d.request.state_indices[kind], dtype=np.int64), timeout=t, room=self.room)
+            self._pusher.write_state(self.room, d.peer, kind, np.asarray(idx, dtype=np.int64),
+                                     np.asarray(d.request.state_indices[kind], dtype=np.int64), deadline)
             for d in self._real_dsts() for kind, idx in local.items()
         )))
         self._state_sent = True
-        await self._maybe_conclude(deadline)
+        await self._run_or_fail(self._maybe_conclude(deadline))
 
     async def done(self, timeout: float | None = None) -> None:
         """Wait for Success; raises :class:`TransferFailed` (with ``.reason``) or :class:`TransferTimeout`."""
-        self._m._check_open()
-        t = self._m.config.done_timeout if timeout is None else timeout
-        await self._wait_for_status(lambda: self._status.is_terminal, t, "a terminal status")
+        self._ctx.check_open()
+        t = self._ctx.config.done_timeout if timeout is None else timeout
+        await self._wait_for_status(lambda: self._status.is_terminal, Deadline(t), "a terminal status")
         self._raise_if_failed()
 
     async def abort(self, reason: str = "aborted by the prefill side") -> None:
@@ -406,6 +424,5 @@ class KVSender(RoomSide):
     async def _fail(self, reason: str) -> None:
         if self._status.is_terminal:
             return
-        log.info("room %d failed: %s", self.room, reason)
-        self._m._tx_update(self.room, KVPoll.Failed, reason)
-        await self._m._notify_failure(self.room, [d.peer.endpoint for d in self._dsts.values()], reason)
+        self.update(KVPoll.Failed, reason)
+        await self._notifier.failure(self.room, list(self._dsts), reason)

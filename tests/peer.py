@@ -137,12 +137,12 @@ class Peer:
 
     async def op_break_scatter(self, mgr: KVManager) -> None:
         """Fault injection: every staged piece this process scatters from now on fails."""
-        from aiotransfer import manager as manager_module
+        from aiotransfer._kv import staged as staged_module
 
         def broken(*args: object) -> None:
             raise RuntimeError("scatter broke")
 
-        setattr(manager_module, "scatter_pages", broken)  # noqa: B010 -- replaces the module global
+        setattr(staged_module, "scatter_pages", broken)  # noqa: B010 -- replaces the module global
 
     async def op_stats(self, mgr: KVManager) -> dict[str, Any]:
         return {"stats": json.loads(json.dumps(mgr.stats(), default=str))}

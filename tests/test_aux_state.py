@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from aiotransfer import AuxPath, ConfigError, KVArgs, KVManager, KVPoll, TransferConfig, TransferFailed
-from aiotransfer.aux import MemPool, StateType, metadata_device, select_aux_path
+from aiotransfer.aux_state import MemPool, StateType, metadata_device, select_aux_path
 from aiotransfer.engines.base import EngineStatus
 from aiotransfer.errors import EngineError
 from tests.conftest import expected_digest

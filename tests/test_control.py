@@ -10,6 +10,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from aiotransfer._kv.client import Route
 from aiotransfer import KVArgs, KVManager, KVPoll, TransferConfig, TransferFailed
 from aiotransfer.control.messages import (
     PROTOCOL_VERSION,
@@ -85,7 +86,7 @@ async def test_hostile_request_indices_fail_the_room_on_both_sides(prefill: KVMa
         tx = prefill.sender(2)
         await peer.call("receiver", room=2, peer=prefill.endpoint, pages=[1])  # registers, room 2 is fine
         await tx.wait_ready(timeout=10)
-        registered = next(iter(prefill._decode_peers.values()))
+        registered = next(iter(prefill._prefill.decode_peers.values()))
         # now forge a request for room 3 from that decode's endpoint, pointing past its buffers
         forged = TransferRequest(
             room=3, endpoint=registered.endpoint, generation=registered.hello.generation,
@@ -150,8 +151,7 @@ async def test_unregistered_requester_is_refused(prefill: KVManager, engine: str
         rx = dec.receiver(6, prefill.endpoint)
         # skip registration: a raw request straight to the prefill
         req = TransferRequest(room=6, endpoint=dec.endpoint, generation=1, kv_indices=pack_indices(np.arange(2)))
-        rx._targets = {prefill.endpoint: 0}
-        rx._required = 1
+        rx._route = Route(sources={prefill.endpoint: 0}, endpoints=[prefill.endpoint], required=1, requests=[])
         await push(prefill.endpoint, [encode(req)])
         with pytest.raises(TransferFailed, match="unregistered decode rank"):
             await rx.done(timeout=5)

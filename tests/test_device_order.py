@@ -123,7 +123,7 @@ async def test_device_set_before_engine_and_on_every_executor_thread(log: Log) -
         cfg = TransferConfig(engine="fake-order", device_id=3, executor_threads=3, staging_bytes=0)
         async with KVManager(args(), cfg) as mgr:
             assert mgr.describe()["transport"] == "tcp"
-            await occupy_all_threads(mgr._offload, 3, log)
+            await occupy_all_threads(mgr._ctx.offload, 3, log)
     loop_thread = threading.get_ident()
 
     binds = log.of("set_device")
@@ -148,7 +148,7 @@ async def test_device_set_before_engine_and_on_every_executor_thread(log: Log) -
 async def test_no_device_id_binds_nothing(log: Log) -> None:
     with use_backends([FakeDevice(log)]):
         async with KVManager(args(), TransferConfig(engine="fake-order", staging_bytes=0)) as mgr:
-            await occupy_all_threads(mgr._offload, 2, log)
+            await occupy_all_threads(mgr._ctx.offload, 2, log)
     assert log.of("set_device") == []
     assert len(log.of("engine_factory")) == 1
 

@@ -48,10 +48,8 @@ async def _healthy_room(mgr: KVManager, peer: RemotePeer, room: int) -> None:
 
 async def _until_in_flight(mgr: KVManager, send: asyncio.Future[None]) -> None:
     """Return once the first engine batch of ``send`` is in flight (a kill then lands mid-transfer)."""
-    poller = mgr._poller
-    assert poller is not None
     deadline = time.monotonic() + 10
-    while not poller.in_flight:
+    while not mgr.stats()["in_flight"]:
         assert not send.done(), "the transfer finished before any batch was seen in flight"
         assert time.monotonic() < deadline, "no engine batch in flight after 10 s"
         await asyncio.sleep(0)
@@ -99,7 +97,7 @@ async def test_receiver_hung_sigstop(big_prefill: KVManager, engine: str) -> Non
         victim.signal(signal.SIGCONT)
         # once it answers again it leaves the blacklist
         for _ in range(100):
-            if not big_prefill._liveness.dead:
+            if not big_prefill.stats()["dead_peers"]:
                 break
             await asyncio.sleep(0.1)
     finally:

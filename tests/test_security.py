@@ -116,7 +116,7 @@ FUZZ_COUNT = {"inputs": 0}
 def test_fuzz_decoder_and_handler(fuzz_manager: KVManager, data: bytes, extra_frames: int) -> None:
     """Any bytes: parse either raises ProtocolError or yields a valid message that the handler survives."""
     FUZZ_COUNT["inputs"] += 1
-    plane = fuzz_manager._control
+    plane = fuzz_manager._ctx.control_or_none
     assert plane is not None
     frames = [data] + [os.urandom(8)] * extra_frames
     try:
@@ -135,14 +135,18 @@ def fuzz_manager() -> Any:
     loop.run_until_complete(mgr.start())
     # the dispatcher spawns tasks on the running loop; give it one
     asyncio.set_event_loop(loop)
-    original = mgr._spawn
+    ctx = mgr._ctx
+    original = ctx.spawn
 
-    def spawn(coro: Any, name: str) -> None:
+    def spawn(coro: Any, name: str) -> Any:
         coro.close()  # handlers' replies are not the subject here
+        done = loop.create_future()
+        done.cancel()
+        return done
 
-    mgr._spawn = spawn  # type: ignore[method-assign]
+    ctx.spawn = spawn  # type: ignore[method-assign]
     yield mgr
-    mgr._spawn = original  # type: ignore[method-assign]
+    ctx.spawn = original  # type: ignore[method-assign]
     loop.run_until_complete(mgr.aclose())
     loop.close()
     asyncio.set_event_loop(None)

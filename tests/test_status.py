@@ -244,7 +244,7 @@ def test_property_latch_is_first_terminal(statuses: list[KVPoll]) -> None:
 async def test_room_waiters_wake_on_change_and_time_out_without_leftovers() -> None:
     import asyncio
 
-    from aiotransfer._room import RoomSide
+    from aiotransfer._kv.room import RoomSide
 
     room = RoomSide(7)
     loop = asyncio.get_running_loop()
@@ -256,10 +256,10 @@ async def test_room_waiters_wake_on_change_and_time_out_without_leftovers() -> N
     b.cancel()  # one waiter giving up leaves the other waiting
     await asyncio.sleep(0)
     assert not a.done() and len(room._waiters) == 1
-    room._set_status(KVPoll.Transferring)  # not what ``a`` waits for: it re-arms
+    room.update(KVPoll.Transferring)  # not what ``a`` waits for: it re-arms
     await asyncio.sleep(0)
     assert not a.done()
-    room._set_status(KVPoll.Success)
+    room.update(KVPoll.Success)
     assert await asyncio.wait_for(a, 1) is True
     assert room._waiters == set()
     t0 = loop.time()
@@ -267,3 +267,20 @@ async def test_room_waiters_wake_on_change_and_time_out_without_leftovers() -> N
     assert 0.015 < loop.time() - t0 < 1.0
     live = [h for h in loop._scheduled if not h.cancelled()]  # type: ignore[attr-defined]
     assert live == []  # no timer left behind
+
+
+def test_room_owns_its_status_and_reports_the_end_once() -> None:
+    """A room applies apply_status itself: Failed wins and sticks, progress is monotone, and its
+    on-terminal callback runs exactly once, with the first reason."""
+    from aiotransfer._kv.room import RoomSide
+
+    ended: list[tuple[KVPoll, str | None]] = []
+    room = RoomSide(9, on_terminal=lambda r: ended.append((r.status, r.failure_reason)))
+    assert room.update(KVPoll.Transferring) is True
+    assert room.update(KVPoll.WaitingForInput) is False  # no going back
+    assert room.status is KVPoll.Transferring
+    assert room.update(KVPoll.Failed, "first") is True
+    assert room.update(KVPoll.Failed, "second") is False
+    assert room.update(KVPoll.Success) is False  # Failed sticks
+    assert ended == [(KVPoll.Failed, "first")]
+    assert room.poll() is KVPoll.Failed and room.failure_reason == "first"

@@ -6,38 +6,59 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from .status import KVPoll, PollLatch
+from ..status import KVPoll, PollLatch, apply_status
 
 __all__ = ["RoomSide"]
 
 
 class RoomSide:
-    """Status, latch, failure reason and change notification of one room on one side."""
+    """Status, latch, failure reason, waiters and terminal notification of one room on one side.
 
-    def __init__(self, room: int) -> None:
+    The room owns its status: every change goes through :meth:`update`, which applies
+    :func:`~aiotransfer.status.apply_status` (Failed wins and sticks, progress is monotone), wakes the
+    waiters, and on the first terminal status calls ``on_terminal(room_side)`` once."""
+
+    def __init__(self, room: int, on_terminal: Callable[[RoomSide], None] | None = None) -> None:
         self.room = room
         self._latch = PollLatch()
         self._status = KVPoll.Bootstrapping
         self._reason: str | None = None
-        self._created = time.monotonic()
+        self.created = time.monotonic()
+        """``time.monotonic()`` when the room was opened on this side."""
         self._waiters: set[asyncio.Future[None]] = set()
+        self._on_terminal = on_terminal
 
     def poll(self) -> KVPoll:
         """Current status; the first terminal status is latched and returned forever after."""
         return self._latch.observe(self._status)
 
     @property
+    def status(self) -> KVPoll:
+        """The room's status right now (unlatched)."""
+        return self._status
+
+    @property
     def failure_reason(self) -> str | None:
         """Why the room failed (the same reason the other side receives), or None."""
         return self._reason
 
-    def _set_status(self, status: KVPoll, reason: str | None = None) -> None:
-        """Called by the manager's status table whenever this room's status changes."""
-        self._status = status
-        if status is KVPoll.Failed and self._reason is None:
+    def update(self, status: KVPoll, reason: str | None = None) -> bool:
+        """Apply ``status`` (with ``reason`` when it is ``Failed``); True if the status changed."""
+        new = apply_status(self._status, status)
+        if new is None or new is self._status:
+            return False
+        self._status = new
+        if new is KVPoll.Failed and self._reason is None:
             self._reason = reason or "failed"
+        self._changed(new)
         for fut in self._waiters:
             _wake(fut)
+        if new.is_terminal and self._on_terminal is not None:
+            self._on_terminal(self)
+        return True
+
+    def _changed(self, status: KVPoll) -> None:
+        """Hook for subclasses: runs on every change, before the waiters wake."""
 
     async def _wait_until(self, predicate: Callable[[], bool], deadline: float) -> bool:
         """Wait (without creating tasks) until ``predicate()`` holds or the loop time reaches ``deadline``.

@@ -1,0 +1,212 @@
+"""The decode side's outbound half: resolve a prefill deployment's topology, register with its ranks,
+and send each of them the room's transfer request."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._deadline import Deadline
+from ..control.messages import (
+    PROTOCOL_VERSION,
+    BufferSpec,
+    Hello,
+    HelloAck,
+    StateSpec,
+    Topology,
+    TopologyQuery,
+    TransferRequest,
+    pack_indices,
+)
+from ..control.rendezvous import Rendezvous
+from ..errors import IncompatiblePeer, PeerError
+from ..topology import map_ranks
+from .context import RankContext
+from .peers import PrefillPeer, PrefillTopology
+
+__all__ = ["PrefillClient", "Route"]
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one room's request goes: every prefill rank involved, and what each is asked."""
+
+    sources: dict[str, int]
+    """Prefill endpoint -> prefill rank, for every rank we expect a status (and data) from."""
+    endpoints: list[str]
+    """Every prefill rank involved, dummies included (they are told about aborts too)."""
+    required: int
+    """Success reports needed before the room succeeds."""
+    requests: list[tuple[str, TransferRequest]]
+
+
+class PrefillClient:
+    """Topology cache, registrations with prefill ranks, and the answers they send back."""
+
+    def __init__(self, ctx: RankContext) -> None:
+        self._ctx = ctx
+        self.topologies: dict[str, PrefillTopology] = {}
+        self.peers: dict[str, PrefillPeer] = {}
+        self._hellos: dict[str, asyncio.Task[PrefillPeer]] = {}
+        self.acks: Rendezvous[int, HelloAck] = Rendezvous()
+        self.topology_answers: Rendezvous[int, Topology] = Rendezvous()
+
+    def on_hello_ack(self, msg: HelloAck) -> None:
+        if not self.acks.resolve(msg.generation, msg):
+            self._ctx.drop("unexpected-hello-ack", msg.endpoint)
+
+    def on_topology(self, msg: Topology) -> None:
+        if not self.topology_answers.resolve(msg.nonce, msg):
+            self._ctx.drop("unexpected-topology", str(msg.nonce))
+
+    def forget(self, endpoint: str) -> None:
+        """A prefill rank died or restarted: its registration and the topologies naming it are stale."""
+        self.peers.pop(endpoint, None)
+        self._hellos.pop(endpoint, None)
+        for key, topo in list(self.topologies.items()):
+            if endpoint in topo.endpoints.values() or key == endpoint:
+                del self.topologies[key]
+
+    # -- one room -----------------------------------------------------------------------------------
+    async def route(
+        self, room: int, peer: str, prefill_dp_rank: int | None, pages: np.ndarray, aux_index: int | None,
+        states: dict[str, list[int]], deadline: Deadline,
+    ) -> Route:
+        """Resolve the topology, register with every prefill rank involved, and build their requests."""
+        ctx = self._ctx
+        resolved = await self.topology(peer, deadline)
+        topo = resolved.topo
+        mapping = map_ranks(
+            topo.tp_size, topo.pp_size, topo.cp_size, ctx.parallel,
+            is_mla=topo.layout == "mla", total_heads=topo.total_kv_heads,
+            all_cp_ranks_send=ctx.config.all_cp_ranks_send,
+        )
+        dp = prefill_dp_rank if prefill_dp_rank is not None else room % topo.dp_size
+        endpoints = []
+        for t in mapping.targets:
+            ep = resolved.endpoints.get((dp, t.tp_rank, t.pp_rank, t.cp_rank))
+            if ep is None:
+                raise PeerError(f"prefill topology from {peer} lacks rank dp={dp} tp={t.tp_rank} pp={t.pp_rank}",
+                                room=room, peer=peer)
+            if ctx.liveness.is_dead(ep):
+                raise PeerError(f"prefill rank {ep} was declared dead and has not answered since; probing it",
+                                room=room, peer=ep)
+            endpoints.append(ep)
+        for ep in endpoints:
+            ctx.liveness.activate(ep)
+        registered = await asyncio.gather(*(self.register(ep, deadline) for ep in dict.fromkeys(endpoints)))
+        by_ep = {p.endpoint: p for p in registered}
+        packed = pack_indices(pages)
+        requests = [
+            (ep, TransferRequest(
+                room=room, endpoint=ctx.endpoint, generation=by_ep[ep].ack.generation,
+                kv_indices=b"" if t.is_dummy else packed,
+                aux_index=-1 if (aux_index is None or t.is_dummy) else aux_index,
+                state_indices={} if t.is_dummy else states,
+                required_dst_info_num=mapping.required_dst_info_num, is_dummy=t.is_dummy,
+            ))
+            for t, ep in zip(mapping.targets, endpoints, strict=True)
+        ]
+        return Route(
+            sources={ep: t.unique_rank for t, ep in zip(mapping.targets, endpoints, strict=True) if not t.is_dummy},
+            endpoints=list(dict.fromkeys(endpoints)), required=mapping.required_responses, requests=requests,
+        )
+
+    async def send(self, route: Route, deadline: Deadline) -> None:
+        for ep, req in route.requests:
+            await self._ctx.send(ep, req, deadline)
+
+    # -- registration ---------------------------------------------------------------------------------
+    async def register(self, endpoint: str, deadline: Deadline) -> PrefillPeer:
+        """Register this rank's buffers with a prefill rank (once per rank; concurrent callers share it)."""
+        peer = self.peers.get(endpoint)
+        if peer is not None:
+            return peer
+        task = self._hellos.get(endpoint)
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = asyncio.get_running_loop().create_task(self._register(endpoint, deadline.remaining(0.01)))
+            self._hellos[endpoint] = task
+        return await asyncio.shield(task)
+
+    async def _register(self, endpoint: str, timeout: float) -> PrefillPeer:
+        ctx = self._ctx
+        hello = self.hello()
+        with self.acks.expect(hello.generation) as fut:
+            await ctx.control.send(endpoint, hello, timeout=timeout)
+            ack = await self.acks.wait(fut, timeout)
+        if ack is None:
+            ctx.control.forget(endpoint)
+            raise PeerError(
+                f"no registration answer from {endpoint} within {timeout:.3g}s "
+                "(wrong address, peer down, or not an aiotransfer manager)", peer=endpoint,
+            )
+        if not ack.accepted:
+            raise IncompatiblePeer(f"{endpoint} refused registration: {ack.reason}", peer=endpoint)
+        peer = PrefillPeer(endpoint, ack)
+        self.peers[endpoint] = peer
+        return peer
+
+    def hello(self) -> Hello:
+        """This rank's registration: engine session, buffers, geometry, staging arena, a fresh nonce."""
+        ctx = self._ctx
+        a, engine, arena = ctx.args, ctx.engine, ctx.arena
+        probe = getattr(engine, "probe_region", None)
+        return Hello(
+            version=PROTOCOL_VERSION, endpoint=ctx.endpoint, generation=secrets.randbits(62),
+            engine=ctx.engine_name, session_id=engine.session_id, engine_info=engine.local_info(),
+            probe_addr=probe.ptr if probe is not None else a.kv[0].ptr, compat=ctx.compat,
+            kv=[BufferSpec(b.ptr, b.nbytes, b.item_len, b.layer_id) for b in a.kv],
+            aux=[BufferSpec(b.ptr, b.nbytes, b.item_len) for b in a.aux],
+            state=[
+                StateSpec(kind, [BufferSpec(b.ptr, b.nbytes, b.item_len) for b in bufs], list(a.state_dims.get(kind, ())))
+                for kind, bufs in a.state.items()
+            ],
+            layout=a.layout, tp_size=a.tp_size, tp_rank=a.tp_rank, pp_size=a.pp_size, pp_rank=a.pp_rank,
+            kv_heads=a.kv_heads, total_kv_heads=a.total_kv_heads, page_size=a.page_size, cp_size=a.cp_size,
+            cp_rank=a.cp_rank, outer=a.outer,
+            staging=BufferSpec(arena.ptr, arena.nbytes, 1) if arena is not None else None,
+        )
+
+    # -- topology -----------------------------------------------------------------------------------
+    async def topology(self, peer: str, deadline: Deadline) -> PrefillTopology:
+        """Resolve a bootstrap address into the prefill topology (cached; retried until every rank is in)."""
+        cached = self.topologies.get(peer)
+        if cached is not None:
+            return cached
+        ctx = self._ctx
+        if ctx.liveness.is_dead(peer):
+            raise PeerError(f"prefill {peer} was declared dead and has not answered since; probing it", peer=peer)
+        loop = asyncio.get_running_loop()
+        target, delay, last = peer, 0.01, "no answer"
+        while not deadline.expired:
+            nonce = secrets.randbits(62)
+            with self.topology_answers.expect(nonce) as fut:
+                query = TopologyQuery(version=PROTOCOL_VERSION, endpoint=ctx.endpoint, nonce=nonce)
+                await ctx.control.send(target, query, timeout=deadline.remaining(0.01))
+                if deadline.expired:
+                    break
+                topo = await self.topology_answers.wait(fut, min(deadline.remaining(0.0), max(1.0, delay * 4)))
+            if topo is None:
+                last = "no answer"
+                continue
+            if topo.redirect:
+                target = topo.redirect
+                continue
+            if topo.reason.startswith("refused:"):
+                raise IncompatiblePeer(f"{peer}: {topo.reason[len('refused:'):].strip()}", peer=peer)
+            if topo.ready:
+                endpoints = {(r.dp_rank, r.tp_rank, r.pp_rank, r.cp_rank): r.endpoint for r in topo.ranks}
+                resolved = PrefillTopology(topo, endpoints)
+                self.topologies[peer] = resolved
+                return resolved
+            last = topo.reason
+            await asyncio.sleep(min(delay, max(deadline.at - loop.time(), 0)))
+            delay = min(delay * 2, 0.5)
+        ctx.control.forget(peer)
+        raise PeerError(
+            f"no registration answer from {peer} within {deadline.budget:.3g}s ({last}; wrong address, peer down, "
+            "or not an aiotransfer manager)", peer=peer,
+        )

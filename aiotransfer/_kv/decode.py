@@ -1,0 +1,96 @@
+"""The decode side's inbound half: status reports from prefill ranks (with checksums), their aborts, and
+aux bytes that came over the control channel."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Mapping
+
+from ..control.messages import Abort, AuxData, Status
+from ..integrity import fold, region_crcs
+from ..receiver import KVReceiver
+from ..staging import RowSlice
+from ..status import KVPoll
+from .context import RankContext
+
+__all__ = ["DecodeSide"]
+
+log = logging.getLogger("aiotransfer.manager")
+
+
+class DecodeSide:
+    def __init__(self, ctx: RankContext, receivers: Mapping[int, KVReceiver]) -> None:
+        self._ctx = ctx
+        self._receivers = receivers
+
+    def on_status(self, msg: Status) -> None:
+        rx = self._receivers.get(msg.room)
+        if rx is None:
+            self._ctx.drop("unknown-room", f"status for room {msg.room}")
+            return
+        if msg.status == int(KVPoll.Success) and msg.checksum >= 0 and msg.endpoint in rx.sources:
+            self._ctx.spawn(self._verified_status(rx, msg), "verify")
+            return
+        if not rx.on_prefill_status(msg.endpoint, msg.rank, KVPoll(msg.status), msg.reason, msg.aux_path):
+            self._ctx.drop("wrong-peer", f"status for room {msg.room} from {msg.endpoint}")
+
+    async def _verified_status(self, rx: KVReceiver, msg: Status) -> None:
+        reason = await self._verify_checksum(rx, msg)
+        if reason is not None:
+            self._ctx.counters["checksum_mismatches"] += 1
+            log.error("room %d: %s", rx.room, reason)
+            await rx.abort(reason)
+            return
+        self._ctx.counters["checksums_verified"] += 1
+        rx.on_prefill_status(msg.endpoint, msg.rank, KVPoll.Success, msg.reason, msg.aux_path)
+
+    async def _verify_checksum(self, rx: KVReceiver, msg: Status) -> str | None:
+        """Recompute what ``msg``'s rank wrote; returns a failure reason or None."""
+        ctx, f = self._ctx, msg.slices
+        kv, views, pages = ctx.args.kv, ctx.kv_views, rx.pages
+        if views is None or pages is None or len(f) % 6 or not f:
+            return "checksum received but cannot be verified here"
+        slices, regions, counts = [], [], []
+        for i in range(0, len(f), 6):
+            rows, heads, start, count, hb, b = f[i : i + 6]
+            if not 0 <= b < len(kv) or kv[b].item_len != rows * heads * hb or start + count > heads:
+                return "checksum geometry does not match our buffers"
+            slices.append(RowSlice(rows, heads, start, count, hb))
+            regions.append(views[b])
+            counts.append(kv[b].num_items)
+        crcs = await ctx.offload.run(region_crcs, regions, counts, pages, slices,
+                                     timeout=ctx.config.transfer_timeout, what="checksum verify")
+        got = fold(crcs)
+        if got != msg.checksum:
+            return f"checksum mismatch for data from prefill rank {msg.rank}: sent {msg.checksum:#010x}, got {got:#010x}"
+        return None
+
+    def on_abort(self, msg: Abort) -> bool:
+        """A prefill rank gave up on a room of ours; False when the abort is not for one of ours."""
+        rx = self._receivers.get(msg.room)
+        if rx is not None and msg.endpoint in rx.sources:
+            rx.update(KVPoll.Failed, f"aborted by prefill: {msg.reason}")
+            return True
+        return False
+
+    def on_aux(self, msg: AuxData) -> None:
+        """The TCP aux path: write the bytes in place, only into the declared slot."""
+        ctx = self._ctx
+        rx = self._receivers.get(msg.room)
+        if rx is None:
+            ctx.drop("unknown-room", f"aux for room {msg.room}")
+            return
+        if msg.endpoint not in rx.sources:
+            ctx.drop("wrong-peer", f"aux for room {msg.room} from {msg.endpoint}")
+            return
+        aux = ctx.args.aux
+        if rx.aux_index is None or msg.index != rx.aux_index or msg.buffer >= len(aux):
+            ctx.drop("invalid-aux", f"aux for room {msg.room}: buffer {msg.buffer} slot {msg.index}")
+            return
+        buf = aux[msg.buffer]
+        if len(msg.data) != buf.item_len:
+            ctx.drop("invalid-aux", f"aux for room {msg.room}: {len(msg.data)} bytes, slot holds {buf.item_len}")
+            return
+        ctypes.memmove(buf.ptr + buf.item_len * msg.index, msg.data, len(msg.data))
+        ctx.counters["aux_tcp_received"] += 1

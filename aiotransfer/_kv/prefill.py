@@ -1,0 +1,219 @@
+"""The prefill side of a rank: decode registrations (handshake), transfer requests and decode aborts.
+
+A decode rank registers once (``Hello``: its buffers and geometry, checked here and refused with the reason
+when they cannot be paired with ours), then sends one ``TransferRequest`` per room. A request for a room
+whose sender does not exist yet is stashed, bounded in time and count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from ..aux_state import StateType
+from ..control.messages import PROTOCOL_VERSION, Abort, Hello, HelloAck, TransferRequest, unpack_indices
+from ..errors import AiotransferError, EngineError, InvalidArgument, ProtocolError, TransferTimeout
+from ..layout import KVPairing, RankGeometry, pair_buffers
+from ..plan import check_range, check_unique
+from ..sender import KVSender
+from ..status import KVPoll
+from .context import RankContext
+from .notify import Notifier
+from .peers import DecodePeer, PendingRequests, Stashed
+
+__all__ = ["PrefillSide"]
+
+log = logging.getLogger("aiotransfer.manager")
+
+
+class PrefillSide:
+    """Registrations from decode ranks and their requests, handed to this rank's senders."""
+
+    def __init__(
+        self, ctx: RankContext, senders: Mapping[int, KVSender], notifier: Notifier,
+        fail_rooms_with: Callable[[str, str], int],
+    ) -> None:
+        self._ctx = ctx
+        self._senders = senders
+        self._notifier = notifier
+        self._fail_rooms_with = fail_rooms_with
+        self.decode_peers: dict[str, DecodePeer] = {}
+        self.pending = PendingRequests(ctx.config.pending_request_ttl, ctx.config.max_rooms)
+        self._hellos: dict[str, asyncio.Task[None]] = {}
+        """Registrations being checked (engine handshake), by decode endpoint."""
+
+    # -- registration -----------------------------------------------------------------------------
+    def on_hello(self, msg: Hello) -> None:
+        if msg.endpoint in self._hellos:
+            return
+        task = self._ctx.spawn(self._answer_hello(msg), f"hello-{msg.endpoint}")
+        self._hellos[msg.endpoint] = task
+
+        def _done(t: asyncio.Task[None], ep: str = msg.endpoint) -> None:
+            if self._hellos.get(ep) is t:
+                del self._hellos[ep]
+
+        task.add_done_callback(_done)
+
+    def refusal(self, hello: Hello) -> KVPairing | str:
+        """Pair our buffers with a registering decode rank's, or say why not."""
+        ctx, a = self._ctx, self._ctx.args
+        if hello.engine != ctx.engine_name:
+            return f"engine mismatch: peer uses {hello.engine!r}, we use {ctx.config.engine!r}"
+        if hello.layout != a.layout:
+            return f"layout mismatch: peer {hello.layout!r}, ours {a.layout!r}"
+        if hello.page_size != a.page_size:
+            return f"page size mismatch: peer {hello.page_size}, ours {a.page_size}"
+        if hello.compat != ctx.compat:
+            return f"KV geometry hash mismatch (dtype/layout/page size): peer {hello.compat}, ours {ctx.compat}"
+        remote = RankGeometry(
+            layout=hello.layout, page_size=hello.page_size, item_lens=[b.item_len for b in hello.kv],
+            layer_ids=[b.layer_id for b in hello.kv], tp_size=hello.tp_size, tp_rank=hello.tp_rank,
+            kv_heads=hello.kv_heads, total_kv_heads=hello.total_kv_heads, outer=hello.outer,
+        )
+        if (hello.tp_size != a.tp_size or hello.kv_heads != a.kv_heads) and not a.is_mla and not (
+            a.total_kv_heads and hello.total_kv_heads
+        ):
+            return "TP sizes differ: both sides must set kv_heads and total_kv_heads for head slicing"
+        pairing = pair_buffers(ctx.geometry, remote)
+        if isinstance(pairing, str):
+            return pairing
+        if hello.aux and a.aux:
+            theirs = [b.item_len for b in hello.aux]
+            ours = [b.item_len for b in a.aux]
+            if theirs != ours:
+                return f"aux buffers mismatch: peer item lengths {theirs}, ours {ours}"
+        for spec in hello.state:
+            local = a.state.get(spec.kind)
+            if local is None:
+                continue
+            theirs = [b.item_len for b in spec.buffers]
+            ours = [b.item_len for b in local]
+            if theirs != ours:
+                return f"{spec.kind} state buffers mismatch: peer item lengths {theirs}, ours {ours}"
+        return pairing
+
+    async def _answer_hello(self, hello: Hello) -> None:
+        ctx = self._ctx
+        verdict = self.refusal(hello)
+        reason = verdict if isinstance(verdict, str) else None
+        if reason is None:
+            try:
+                await ctx.offload.run(
+                    ctx.engine.connect, hello.session_id, hello.engine_info, hello.probe_addr,
+                    timeout=ctx.config.handshake_timeout, what=f"engine handshake with {hello.session_id}",
+                )
+            except (EngineError, TransferTimeout) as exc:
+                reason = f"our engine cannot reach yours ({hello.session_id}): {exc}"
+        if reason is None:
+            assert isinstance(verdict, KVPairing)
+            old = self.decode_peers.get(hello.endpoint)
+            if old is not None and old.hello.generation != hello.generation:
+                ctx.counters["decode_peer_reregistered"] += 1
+                self._fail_rooms_with(hello.endpoint, f"decode {hello.endpoint} registered again (restarted?)")
+            self.decode_peers[hello.endpoint] = DecodePeer.from_hello(hello, verdict)
+        else:
+            ctx.counters["peers_refused"] += 1
+            log.warning("refusing decode peer %s: %s", hello.endpoint, reason)
+        ack = HelloAck(
+            version=PROTOCOL_VERSION, endpoint=ctx.endpoint, generation=hello.generation, accepted=reason is None,
+            reason=reason or "", engine=ctx.config.engine, session_id=ctx.engine.session_id, rank=ctx.rank_id,
+        )
+        with contextlib.suppress(AiotransferError):
+            await ctx.control.send(hello.endpoint, ack, timeout=ctx.config.handshake_timeout)
+
+    # -- requests ---------------------------------------------------------------------------------
+    def on_request(self, req: TransferRequest) -> None:
+        ctx = self._ctx
+        peer = self.decode_peers.get(req.endpoint)
+        pending_hello = self._hellos.get(req.endpoint)
+        if peer is None and pending_hello is not None:
+            # Its registration is still being checked (engine handshake): handle the request right after.
+            ctx.spawn(self._after_hello(pending_hello, req), "request-after-hello")
+            return
+        if peer is None:
+            ctx.drop("unregistered-peer", f"request for room {req.room} from {req.endpoint}")
+            self._refuse(req, "transfer request from an unregistered decode rank")
+            return
+        if req.generation != peer.hello.generation:
+            ctx.drop("stale-generation", f"room {req.room} from {req.endpoint}")
+            return
+        try:
+            idx = unpack_indices(req.kv_indices)
+            if not req.is_dummy:
+                check_range(idx, peer.num_pages, what="destination kv indices")
+                check_unique(idx, what="destination kv indices")
+            self._check_extras(peer, req)
+        except (InvalidArgument, ProtocolError) as exc:
+            ctx.drop("invalid-request", str(exc))
+            reason = f"invalid transfer request: {exc}"
+            tx = self._senders.get(req.room)
+            if tx is not None:
+                ctx.spawn(tx.abort(reason), "fail")
+            if tx is None or req.endpoint not in tx.decode_endpoints:
+                self._refuse(req, reason)
+            return
+        tx = self._senders.get(req.room)
+        if tx is None:
+            for room, items in self.pending.add(req.room, Stashed(peer, req, idx)):
+                ctx.counters["pending_expired"] += 1
+                # nothing is dropped silently: the decode ranks learn why their request went nowhere
+                ctx.spawn(self._notifier.failure(
+                    room, [s.peer.endpoint for s in items], "transfer request expired before the prefill created the room",
+                ), "expire")
+            return
+        self.accept(tx, peer, req, idx)
+
+    def _refuse(self, req: TransferRequest, reason: str) -> None:
+        self._ctx.spawn(self._notifier.failure(req.room, [req.endpoint], reason), "refuse")
+
+    def _check_extras(self, peer: DecodePeer, req: TransferRequest) -> None:
+        """Aux/state declarations against what the decode registered and what we can send."""
+        args = self._ctx.args
+        if req.aux_index >= 0:
+            if not args.aux:
+                raise InvalidArgument("decode declared an aux slot but this prefill has no aux buffers")
+            if not peer.hello.aux:
+                raise InvalidArgument("decode declared an aux slot but registered no aux buffers")
+            if req.aux_index >= peer.aux_slots:
+                raise InvalidArgument(f"aux index {req.aux_index} out of range of the decode's {peer.aux_slots} slots")
+        for kind, idx in req.state_indices.items():
+            if kind not in args.state:
+                raise InvalidArgument(f"decode declared {kind} state but this prefill has no {kind} state buffers")
+            remote = peer.state.get(kind)
+            if remote is None:
+                raise InvalidArgument(f"decode declared {kind} state but registered no {kind} state buffers")
+            if idx and max(idx) >= remote[1]:
+                raise InvalidArgument(f"{kind} state index {max(idx)} out of range of the decode's {remote[1]} slots")
+            if StateType.slot_based(kind) and len(idx) != 1:
+                raise InvalidArgument(f"{kind} state takes exactly one slot per request, got {len(idx)}")
+
+    async def _after_hello(self, hello_task: asyncio.Task[None], req: TransferRequest) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.shield(hello_task)
+        self.on_request(req)
+
+    def accept(self, tx: KVSender, peer: DecodePeer, req: TransferRequest, idx: np.ndarray) -> None:
+        self._ctx.liveness.activate(req.endpoint)
+        reason = tx.admit(peer, req, idx)
+        if reason is not None:
+            self._ctx.drop("refused-request", reason)
+            self._refuse(req, reason)
+
+    def opened(self, tx: KVSender) -> None:
+        """A sender was just created: hand it the requests that came before it."""
+        for item in self.pending.pop(tx.room) or ():
+            self.accept(tx, item.peer, item.request, item.kv_indices)
+
+    # -- aborts from decode -----------------------------------------------------------------------
+    def on_abort(self, msg: Abort) -> bool:
+        """A decode rank gave up on a room; False when the abort is not for a room of ours."""
+        tx = self._senders.get(msg.room)
+        if tx is not None and msg.endpoint in tx.decode_endpoints:
+            tx.update(KVPoll.Failed, f"aborted by decode: {msg.reason}")
+            return True
+        return self.pending.pop(msg.room) is not None

@@ -1,0 +1,287 @@
+"""Prefill side data movement: plan a chunk (direct entries or staged pieces), write KV, state and aux.
+
+One plan function decides for every chunk: :meth:`Pusher.plan` returns a :class:`TransferPlan` holding
+either the direct engine entries or the staging slices. ``send_kv`` uses it, and so do the tools (through
+:meth:`aiotransfer.KVManager.plan_transfer`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._deadline import Deadline
+from ..args import Buffer
+from ..config import AuxPath
+from ..control.messages import AuxData
+from ..errors import EngineError, TransferFailed, TransferTimeout
+from ..integrity import RoomChecksum
+from ..plan import Blocks, pair_runs, plan_blocks, plan_head_slices, plan_runs
+from ..staging import RowSlice, choose_staging
+from .context import RankContext, annotate, engine_failures
+from .peers import DecodePeer
+from .staged import StagingWriter, piece_pages
+
+__all__ = ["Pusher", "TransferPlan", "row_slices"]
+
+log = logging.getLogger("aiotransfer.manager")
+
+_PLAN_OFFLOAD_ENTRIES = 1 << 16
+"""Plans larger than this many (page x buffer) pairs are computed on the offload thread."""
+_FEW_PAGES = 256
+"""Chunks of at most this many pages (no head slicing) have their page runs found in plain Python..."""
+_FEW_ENTRIES = 64
+"""...and are planned in plain Python when runs x buffers is at most this (:func:`plan_runs`): 32 contiguous
+pages, one buffer: 5 us against 28 us through NumPy; 32 scattered pages x 64 buffers: 430 us against 54."""
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """What ``send_kv`` does with one chunk for one decode rank: direct entries, or staged pieces."""
+
+    blocks: Blocks | None
+    """Direct: the engine entries (source, destination, length), runs coalesced."""
+    slices: tuple[RowSlice, RowSlice] | None
+    """Staged: which bytes of each page are gathered here and scattered there."""
+    src_buffers: list[int]
+    """Indices into ``args.kv`` of the buffers that move, in order."""
+    pieces: int = 0
+    """Staged: the number of pieces (one engine entry each)."""
+
+    @property
+    def staged(self) -> bool:
+        return self.slices is not None
+
+    @property
+    def entries(self) -> int:
+        """Engine entries this chunk posts."""
+        return self.pieces if self.blocks is None else len(self.blocks)
+
+    @property
+    def src_slice(self) -> RowSlice | None:
+        return self.slices[0] if self.slices is not None else None
+
+
+def row_slices(ctx: RankContext, peer: DecodePeer) -> tuple[list[RowSlice], list[RowSlice]]:
+    """Per paired buffer: the (source, destination) row slice that moves."""
+    pairing = peer.pairing
+    if pairing.heads is None:
+        src = [RowSlice(1, 1, 0, 1, ctx.args.kv[i].item_len) for i in pairing.src]
+        return src, src
+    hs = pairing.heads
+    rows, hb = pairing.rows_per_page, pairing.head_bytes
+    n = int(pairing.src.size)
+    return ([RowSlice(rows, hs.src_heads, hs.src_start, hs.count, hb)] * n,
+            [RowSlice(rows, hs.dst_heads, hs.dst_start, hs.count, hb)] * n)
+
+
+class Pusher:
+    """Plans and writes one rank's outgoing KV, state and aux."""
+
+    def __init__(self, ctx: RankContext) -> None:
+        self._ctx = ctx
+        self.staging = StagingWriter(ctx)
+        self._checksums: dict[tuple[int, str], RoomChecksum] = {}
+        self._aux_fallback_logged = False
+
+    # -- planning ---------------------------------------------------------------------------------
+    def plan(self, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, *, staging: bool | None = None,
+             runs: list[list[int]] | None = None) -> TransferPlan:
+        """The plan for pages ``src`` (ours) into ``dst`` (the peer's). ``staging`` forces a path (None:
+        decide as ``send_kv`` does); ``runs``: the chunk's :func:`pair_runs`, when already known."""
+        src_buffers = [int(i) for i in peer.pairing.src]
+        slices = self._staging_slices(peer, src, dst, runs, force=staging)
+        if slices is not None:
+            per_page = slices[0].bytes_per_page * len(src_buffers)
+            arena, remote = self._ctx.arena, peer.staging
+            assert arena is not None and remote is not None
+            step = piece_pages(per_page, arena.nbytes, remote.nbytes)
+            return TransferPlan(None, slices, src_buffers, pieces=-(-int(src.size) // step))
+        return TransferPlan(self._blocks(peer, src, dst, runs), None, src_buffers)
+
+    def _blocks(self, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, runs: list[list[int]] | None = None) -> Blocks:
+        ctx, pairing = self._ctx, peer.pairing
+        if runs is not None and len(runs) * int(pairing.src.size) <= _FEW_ENTRIES:
+            few = peer.few
+            if few is None:
+                few = peer.few = (
+                    ctx.kv_bases[pairing.src].tolist(), peer.dst_bases.tolist(), ctx.kv_item_lens[pairing.src].tolist(),
+                )
+            return plan_runs(few[0], few[1], few[2], runs)
+        src_bases = ctx.kv_bases[pairing.src]
+        src_lens = ctx.kv_item_lens[pairing.src]
+        if pairing.heads is None:
+            return plan_blocks(src_bases, peer.dst_bases, src_lens, src, dst)
+        hs = pairing.heads
+        return plan_head_slices(
+            src_bases, peer.dst_bases, src_lens, peer.dst_item_lens, src, dst,
+            rows_per_page=pairing.rows_per_page, src_heads=hs.src_heads, dst_heads=hs.dst_heads,
+            head_bytes=pairing.head_bytes, src_head_start=hs.src_start, dst_head_start=hs.dst_start,
+            head_count=hs.count,
+        )
+
+    def _staging_slices(
+        self, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, runs: list[list[int]] | None,
+        force: bool | None = None,
+    ) -> tuple[RowSlice, RowSlice] | None:
+        """(source slice, destination slice) when this chunk should be staged, else None (direct)."""
+        ctx = self._ctx
+        mode = ctx.config.staging if force is None else ("always" if force else "never")
+        arena = ctx.arena
+        if mode == "never" or arena is None or peer.staging is None or ctx.kv_views is None:
+            return None
+        pairing = peer.pairing
+        nbuf = int(pairing.src.size)
+        if mode == "auto" and pairing.heads is None and int(src.size) * nbuf <= 8:
+            return None  # a handful of entries: staging's copies and round trips cannot pay off
+        src_lens = {int(ctx.args.kv[i].item_len) for i in pairing.src}
+        dst_lens = {int(x) for x in peer.dst_item_lens}
+        if len(src_lens) != 1 or len(dst_lens) != 1 or src.size == 0:
+            return None
+        if pairing.heads is None:
+            item = src_lens.pop()
+            s_sl = d_sl = RowSlice(1, 1, 0, 1, item)
+            if runs is not None:
+                breaks = len(runs) - 1
+            else:
+                breaks = int(np.count_nonzero((np.diff(src) != 1) | (np.diff(dst) != 1))) if src.size > 1 else 0
+            entries = (breaks + 1) * nbuf
+        else:
+            hs = pairing.heads
+            s_sl = RowSlice(pairing.rows_per_page, hs.src_heads, hs.src_start, hs.count, pairing.head_bytes)
+            d_sl = RowSlice(pairing.rows_per_page, hs.dst_heads, hs.dst_start, hs.count, pairing.head_bytes)
+            entries = int(src.size) * pairing.rows_per_page * nbuf
+        per_page = s_sl.bytes_per_page * nbuf
+        if per_page * 2 > min(arena.nbytes, peer.staging.nbytes):
+            return None
+        if mode == "always":
+            return s_sl, d_sl
+        engine = ctx.engine
+        cost = float(getattr(engine, "entry_cost_s", 30e-6))
+        bw = float(getattr(engine, "bandwidth_bps", 2e9))
+        if choose_staging(entries=entries, nbytes=per_page * int(src.size), entry_cost_s=cost, bandwidth_bps=bw):
+            return s_sl, d_sl
+        return None
+
+    # -- writes -----------------------------------------------------------------------------------
+    async def write_kv(
+        self, room: int, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, deadline: Deadline, *,
+        dst_start: int = 0, on_done: Callable[[], None] | None = None,
+    ) -> None:
+        """Write one chunk to one decode rank. ``on_done`` (direct writes only) runs on the loop as soon as
+        the engine reports the write done, before the awaiting task resumes."""
+        ctx = self._ctx
+        pairing = peer.pairing
+        runs = pair_runs(src.tolist(), dst.tolist()) if pairing.heads is None and src.size <= _FEW_PAGES else None
+        slices = self._staging_slices(peer, src, dst, runs)
+        if slices is not None:
+            await self.staging.write(room, peer, src, dst_start, slices, deadline)
+        else:
+            rows = pairing.rows_per_page if pairing.sliced else 1
+            with engine_failures(room, peer.endpoint, "engine transfer"):
+                if src.size * pairing.src.size * rows > _PLAN_OFFLOAD_ENTRIES:
+                    blocks: Blocks = await ctx.offload.run(self._blocks, peer, src, dst, timeout=deadline.remaining(),
+                                                           what="transfer planning")
+                else:
+                    blocks = self._blocks(peer, src, dst, runs)
+                await ctx.poller.write(peer.session_id, blocks, timeout=deadline.remaining(), on_done=on_done)
+            ctx.counters["kv_bytes_sent"] += blocks.nbytes
+            ctx.counters["kv_entries_sent"] += len(blocks)
+        if ctx.config.checksum:
+            await self._checksum_add(peer, room, src, deadline)
+
+    async def write_state(
+        self, room: int, peer: DecodePeer, kind: str, src: np.ndarray, dst: np.ndarray, deadline: Deadline
+    ) -> None:
+        ctx = self._ctx
+        bufs = ctx.args.state[kind]
+        remote = peer.state.get(kind)
+        if remote is None:
+            raise TransferFailed(f"decode {peer.endpoint} registered no {kind} state buffers", room=room)
+        bases = np.array([b.ptr for b in bufs], dtype=np.uint64)
+        lens = np.array([b.item_len for b in bufs], dtype=np.uint64)
+        blocks = plan_blocks(bases, remote[0], lens, src, dst)
+        with engine_failures(room, peer.endpoint, f"{kind} state transfer"):
+            await ctx.poller.write(peer.session_id, blocks, timeout=deadline.remaining())
+        ctx.counters[f"state_{kind}_bytes_sent"] += blocks.nbytes
+
+    async def send_aux(self, room: int, peer: DecodePeer, src_slot: int, dst_slot: int, deadline: Deadline) -> str:
+        """Deliver one aux slot to ``peer``; returns the path used (``engine`` or ``tcp``). On ``auto`` the
+        engine attempt gets half the time left, so that a fallback to TCP still has the other half."""
+        ctx = self._ctx
+        if ctx.aux_path is AuxPath.ENGINE:
+            fallback = ctx.config.aux_path is AuxPath.AUTO and all(b.device == "cpu" for b in ctx.args.aux)
+            blocks = plan_blocks(ctx.aux_bases, peer.aux_bases, ctx.aux_item_lens, np.array([src_slot]),
+                                 np.array([dst_slot]))
+            try:
+                t0 = time.monotonic()
+                budget = deadline.remaining() / 2 if fallback else deadline.remaining()
+                await ctx.poller.write(peer.session_id, blocks, timeout=budget)
+                ctx.metrics.observe("aux_engine", time.monotonic() - t0)
+                ctx.counters["aux_engine"] += 1
+                log.debug("room %d: aux slot %d -> %s slot %d via engine", room, src_slot, peer.endpoint, dst_slot)
+                return "engine"
+            except (EngineError, TransferTimeout) as exc:
+                if ctx.config.aux_path is not AuxPath.AUTO:
+                    raise TransferFailed(f"aux transfer to {peer.endpoint} failed: {exc}", room=room) from exc
+                if not fallback:
+                    raise TransferFailed(
+                        f"aux transfer to {peer.endpoint} failed ({exc}); no TCP fallback for device-resident aux",
+                        room=room,
+                    ) from exc
+                ctx.counters["aux_fallback"] += 1
+                if not self._aux_fallback_logged:
+                    self._aux_fallback_logged = True
+                    log.warning("aux via the engine failed (%s); falling back to TCP (logged once)", exc)
+        t0 = time.monotonic()
+        try:
+            for i, buf in enumerate(ctx.args.aux):
+                msg = AuxData(room=room, buffer=i, index=dst_slot, data=_read_bytes(buf, src_slot),
+                              endpoint=ctx.endpoint)
+                await ctx.send(peer.endpoint, msg, deadline)
+        except TransferTimeout as exc:
+            annotate(exc, room, peer.endpoint)
+            raise
+        ctx.metrics.observe("aux_tcp", time.monotonic() - t0)
+        ctx.counters["aux_tcp"] += 1
+        log.debug("room %d: aux slot %d -> %s slot %d via tcp", room, src_slot, peer.endpoint, dst_slot)
+        return "tcp"
+
+    # -- checksums (prefill half) -----------------------------------------------------------------
+    async def _checksum_add(self, peer: DecodePeer, room: int, src: np.ndarray, deadline: Deadline) -> None:
+        ctx = self._ctx
+        assert ctx.kv_views is not None
+        key = (room, peer.endpoint)
+        acc = self._checksums.get(key)
+        if acc is None:
+            acc = self._checksums[key] = RoomChecksum(row_slices(ctx, peer)[0])
+        idx = peer.pairing.src
+        views = [ctx.kv_views[i] for i in idx]
+        counts = [ctx.args.kv[i].num_items for i in idx]
+        await ctx.offload.run(acc.add, views, counts, src, timeout=deadline.remaining(), what="checksum")
+
+    def checksum_fields(self, room: int, peer: DecodePeer) -> tuple[int, list[int]]:
+        """(checksum, slice geometry) to send with Success; (-1, []) when none was computed."""
+        acc = self._checksums.pop((room, peer.endpoint), None)
+        if acc is None:
+            return -1, []
+        fields: list[int] = []
+        for sl, b in zip(row_slices(self._ctx, peer)[1], peer.pairing.dst, strict=True):
+            fields += [sl.rows, sl.heads, sl.start, sl.count, sl.head_bytes, int(b)]
+        return acc.value, fields
+
+    def forget(self, room: int) -> None:
+        """Drop what a room that ended left here."""
+        if self._checksums:
+            for key in [k for k in self._checksums if k[0] == room]:
+                del self._checksums[key]
+
+
+def _read_bytes(buf: Buffer, slot: int) -> bytes:
+    """Copy one slot out of host memory (aux buffers on the TCP path live in host memory)."""
+    return ctypes.string_at(buf.ptr + buf.item_len * slot, buf.item_len)

@@ -1,0 +1,292 @@
+"""The staging protocol, both ends: the writer (prefill) and the grantor (decode).
+
+See :mod:`aiotransfer.staging` for the flow of one piece and the pure parts (arena, gather, scatter, cost
+model). Arena space follows one rule on both sides: it is freed only once nothing can touch it any more.
+A gather or scatter that outlives its deadline keeps its slice until its thread has returned (the
+offloader's ``on_done``); a slice an engine write was posted from is kept until that write landed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import numpy as np
+
+from .._deadline import Deadline
+from ..control.messages import Staged, StagedAck, StageGrant, StageRequest
+from ..control.rendezvous import Rendezvous
+from ..errors import AiotransferError, InvalidArgument, TransferFailed, TransferTimeout
+from ..plan import Blocks
+from ..staging import RowSlice, StagingArena, gather_pages, scatter_pages
+from .context import RankContext, engine_failures
+from .peers import DecodePeer
+
+__all__ = ["StagingGrantor", "StagingRoom", "StagingWriter", "PIECE_BYTES"]
+
+PIECE_BYTES = 8 << 20
+"""Target size of one staged piece: small enough to overlap gather, transfer and scatter."""
+
+
+class _Lease:
+    """A slice of the arena with two holders: its owner and a worker thread. Freed when both let go."""
+
+    __slots__ = ("_arena", "_busy", "_freed", "_wanted", "n", "off")
+
+    def __init__(self, arena: StagingArena, off: int, n: int) -> None:
+        self._arena, self.off, self.n = arena, off, n
+        self._busy = 0
+        self._wanted = False
+        self._freed = False
+
+    def lend(self) -> Callable[[], None]:
+        """A worker thread takes the slice; call the returned function once that thread is done with it."""
+        self._busy += 1
+
+        def back() -> None:
+            self._busy -= 1
+            self._settle()
+
+        return back
+
+    def release(self) -> None:
+        """The owner is done with the slice (it is freed once no thread holds it)."""
+        self._wanted = True
+        self._settle()
+
+    def _settle(self) -> None:
+        if self._wanted and not self._busy and not self._freed:
+            self._freed = True
+            self._arena.release(self.off, self.n)
+
+
+class StagingWriter:
+    """Prefill side: gather -> one engine entry into the decode's granted space -> the decode scatters."""
+
+    def __init__(self, ctx: RankContext) -> None:
+        self._ctx = ctx
+        self._ids = 0
+        self.answers: Rendezvous[int, StageGrant | StagedAck] = Rendezvous()
+        """Grants are keyed by request id, acks by minus the request id."""
+
+    def on_answer(self, msg: StageGrant | StagedAck) -> None:
+        key = msg.req_id if isinstance(msg, StageGrant) else -msg.req_id
+        if not self.answers.resolve(key, msg):
+            self._ctx.drop("unexpected-staging-answer", str(msg.req_id))
+
+    async def write(
+        self, room: int, peer: DecodePeer, src: np.ndarray, dst_start: int, slices: tuple[RowSlice, RowSlice],
+        deadline: Deadline,
+    ) -> None:
+        """Gather -> one engine entry -> decode scatters, per piece, pipelined: one gather at a time (the
+        copies are CPU-bound), its decode-side space asked for while it runs; writes in flight as long as
+        our arena has room; the decode's scatter and ack overlap the next pieces."""
+        ctx = self._ctx
+        arena, views, remote = ctx.arena, ctx.kv_views, peer.staging
+        assert arena is not None and views is not None and remote is not None
+        s_sl, d_sl = slices
+        pairing = peer.pairing
+        src_views = [views[i] for i in pairing.src]
+        num_pages = [ctx.args.kv[i].num_items for i in pairing.src]
+        per_page = s_sl.bytes_per_page * len(src_views)
+        step = piece_pages(per_page, arena.nbytes, remote.nbytes)
+        gathering = asyncio.Lock()
+        dst_buffers = [int(j) for j in pairing.dst]
+
+        def staged_msg(grant: StageGrant, a: int, b: int, nbytes: int) -> Staged:
+            return Staged(
+                room=room, endpoint=ctx.endpoint, req_id=grant.req_id, offset=grant.offset, nbytes=nbytes,
+                dst_start=dst_start + a, n_pages=b - a, rows=d_sl.rows, heads=d_sl.heads, start=d_sl.start,
+                count=d_sl.count, head_bytes=d_sl.head_bytes, buffers=dst_buffers,
+            )
+
+        async def piece(a: int, b: int) -> None:
+            nbytes = (b - a) * per_page
+            posted = landed = False
+            granting: asyncio.Future[Any] | None = None
+            lease: _Lease | None = None
+            try:
+                async with gathering:
+                    lease = _Lease(arena, await arena.acquire(nbytes, deadline.remaining(0.0)), nbytes)
+                    granting = asyncio.ensure_future(self._call(
+                        peer.endpoint, StageRequest(room=room, endpoint=ctx.endpoint, req_id=0, nbytes=nbytes),
+                        deadline,
+                    ))
+                    out = arena.view[lease.off : lease.off + nbytes]
+                    try:
+                        await ctx.offload.run(gather_pages, src_views, num_pages, src[a:b], s_sl, out,
+                                              timeout=deadline.remaining(), what="staging gather",
+                                              on_done=lease.lend())
+                    except AiotransferError:
+                        raise
+                    except Exception as exc:
+                        raise TransferFailed(f"staging gather failed: {exc!r}", room=room) from exc
+                with engine_failures(room, peer.endpoint, "staged transfer"):
+                    grant = await asyncio.shield(granting)  # a cancelled piece leaves the grant to be released
+                    if not grant.granted:
+                        raise TransferFailed(f"decode refused staging space: {grant.reason}", room=room)
+                    blocks = Blocks(
+                        np.array([arena.ptr + lease.off], dtype=np.uint64),
+                        np.array([remote.ptr + grant.offset], dtype=np.uint64),
+                        np.array([nbytes], dtype=np.uint64),
+                    )
+                    posted = True
+                    await ctx.poller.write(peer.session_id, blocks, timeout=deadline.remaining())
+                    landed = True
+                lease.release()  # the engine has read our copy
+                ack = await self._call(peer.endpoint, staged_msg(grant, a, b, nbytes), deadline)
+                if not ack.ok:
+                    raise TransferFailed(f"decode could not scatter a staged piece: {ack.reason}", room=room)
+            except BaseException:
+                if lease is not None and (landed or not posted):
+                    lease.release()  # kept while a posted engine write may still read it
+                if granting is not None and not posted:
+                    self._release_grant_later(peer.endpoint, granting, room)
+                raise
+            ctx.counters["kv_bytes_sent"] += nbytes
+            ctx.counters["kv_entries_sent"] += 1
+            ctx.counters["staged_pieces"] += 1
+
+        total = int(src.size)
+        tasks = [asyncio.ensure_future(piece(a, min(a + step, total))) for a in range(0, total, step)]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+
+    def _release_grant_later(self, endpoint: str, granting: asyncio.Future[Any], room: int) -> None:
+        """A piece gave up before anything was written into the decode's space it asked for: hand that
+        space back (an empty ``Staged`` piece) once the grant arrives, so the decode does not hold it."""
+        ctx = self._ctx
+
+        async def release() -> None:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                grant = await asyncio.shield(granting)
+                if grant.granted:
+                    msg = Staged(room=room, endpoint=ctx.endpoint, req_id=grant.req_id, offset=grant.offset,
+                                 nbytes=0, dst_start=0, n_pages=0, rows=1, heads=1, start=0, count=1,
+                                 head_bytes=1, buffers=[])
+                    await self._call(endpoint, msg, Deadline(ctx.config.handshake_timeout))
+
+        ctx.spawn(release(), "stage-release")
+
+    async def _call(self, endpoint: str, msg: StageRequest | Staged, deadline: Deadline) -> Any:
+        """Send a staging message and await its answer (grant or ack), bounded by ``deadline``."""
+        if isinstance(msg, StageRequest):
+            self._ids += 1
+            msg = StageRequest(room=msg.room, endpoint=msg.endpoint, req_id=self._ids, nbytes=msg.nbytes)
+            key = msg.req_id
+        else:
+            key = -msg.req_id
+        with self.answers.expect(key) as fut:
+            await self._ctx.send(endpoint, msg, deadline)
+            answer = await self.answers.wait(fut, deadline.remaining())
+        if answer is None:
+            raise TransferTimeout(f"no staging answer from {endpoint} in time", room=msg.room, peer=endpoint)
+        return answer
+
+
+def piece_pages(per_page: int, local_arena: int, remote_arena: int) -> int:
+    """Pages per staged piece: about :data:`PIECE_BYTES`, at most a quarter of either arena, at least one."""
+    cap = max(per_page, min(local_arena // 4, remote_arena // 4, PIECE_BYTES))
+    return max(1, cap // per_page)
+
+
+class StagingRoom(Protocol):
+    """What the grantor needs of a decode room: the prefill ranks that send it data, and its pages."""
+
+    @property
+    def sources(self) -> Mapping[str, int]: ...
+
+    @property
+    def pages(self) -> np.ndarray | None: ...
+
+
+class StagingGrantor:
+    """Decode side: grant arena space to a prefill rank's piece, then scatter it into the room's pages."""
+
+    def __init__(self, ctx: RankContext, lookup: Callable[[int], StagingRoom | None]) -> None:
+        self._ctx = ctx
+        self._lookup = lookup
+        self._grants: dict[tuple[str, int], tuple[int, int, int]] = {}
+        """(prefill endpoint, req id) -> (room, offset, nbytes) granted"""
+
+    def on_request(self, msg: StageRequest) -> None:
+        rx = self._lookup(msg.room)
+        if rx is None or msg.endpoint not in rx.sources:
+            self._ctx.drop("unknown-room", f"staging request for room {msg.room}")
+            return
+        self._ctx.spawn(self._grant(msg), "stage-grant")
+
+    async def _grant(self, msg: StageRequest) -> None:
+        arena = self._ctx.arena
+        if arena is None:
+            answer = StageGrant(room=msg.room, req_id=msg.req_id, offset=0, granted=False,
+                                reason="decode has no staging arena")
+        else:
+            try:
+                off = await arena.acquire(msg.nbytes, self._ctx.config.transfer_timeout)
+                self._grants[(msg.endpoint, msg.req_id)] = (msg.room, off, msg.nbytes)
+                answer = StageGrant(room=msg.room, req_id=msg.req_id, offset=off, granted=True)
+            except (InvalidArgument, TransferTimeout) as exc:
+                answer = StageGrant(room=msg.room, req_id=msg.req_id, offset=0, granted=False, reason=str(exc))
+        await self._ctx.reply(msg.endpoint, answer)
+
+    def on_staged(self, msg: Staged) -> None:
+        ctx = self._ctx
+        grant = self._grants.pop((msg.endpoint, msg.req_id), None)
+        if grant is None:
+            ctx.drop("unexpected-staged", f"room {msg.room} piece {msg.req_id}")
+            return
+        room, off, nbytes = grant
+        arena = ctx.arena
+        assert arena is not None
+        if room == msg.room and off == msg.offset and msg.n_pages == 0:  # the prefill gave the space back unused
+            arena.release(off, nbytes)
+            ctx.counters["staging_space_returned"] += 1
+            ctx.spawn(ctx.reply(msg.endpoint, StagedAck(room=msg.room, req_id=msg.req_id, ok=True)), "staged-ack")
+            return
+        rx = self._lookup(msg.room)
+        pages = rx.pages if rx is not None else None
+        args, views = ctx.args, ctx.kv_views
+        reason = None
+        if room != msg.room or off != msg.offset or msg.nbytes > nbytes:
+            reason = "staged piece does not match its grant"
+        elif pages is None:
+            reason = f"room {msg.room} is not open here"
+        elif msg.dst_start + msg.n_pages > pages.size:
+            reason = f"staged pages [{msg.dst_start}, {msg.dst_start + msg.n_pages}) exceed the {pages.size} declared"
+        elif any(b >= len(args.kv) for b in msg.buffers) or views is None:
+            reason = "staged piece names unknown buffers"
+        elif any(args.kv[b].item_len != msg.rows * msg.heads * msg.head_bytes for b in msg.buffers):
+            reason = "staged row geometry does not match our pages"
+        if reason is not None or pages is None or views is None:
+            arena.release(off, nbytes)
+            ctx.drop("invalid-staged", reason or "")
+            ctx.spawn(ctx.reply(msg.endpoint, StagedAck(room=msg.room, req_id=msg.req_id, ok=False,
+                                                        reason=reason or "")), "staged-nack")
+            return
+        ctx.spawn(self._scatter(msg, pages[msg.dst_start : msg.dst_start + msg.n_pages], views, off, nbytes),
+                  "scatter")
+
+    async def _scatter(self, msg: Staged, pages: np.ndarray, views: list[np.ndarray], off: int, nbytes: int) -> None:
+        ctx = self._ctx
+        arena = ctx.arena
+        assert arena is not None
+        sl = RowSlice(msg.rows, msg.heads, msg.start, msg.count, msg.head_bytes)
+        dst = [views[b] for b in msg.buffers]
+        counts = [ctx.args.kv[b].num_items for b in msg.buffers]
+        src = arena.view[off : off + msg.nbytes]
+        ok, reason = True, ""
+        try:
+            # the granted space is freed once the scatter's thread is done reading it, not when we stop waiting
+            await ctx.offload.run(scatter_pages, dst, counts, pages, sl, src, timeout=ctx.config.transfer_timeout,
+                                  what="staging scatter", on_done=lambda: arena.release(off, nbytes))
+            ctx.counters["staged_pieces_received"] += 1
+        except Exception as exc:  # the prefill learns why instead of waiting for an ack that never comes
+            ok, reason = False, str(exc) if isinstance(exc, AiotransferError) else f"scatter failed: {exc!r}"
+        await ctx.reply(msg.endpoint, StagedAck(room=msg.room, req_id=msg.req_id, ok=ok, reason=reason))

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -21,6 +21,13 @@ from aiotransfer.errors import ClosedError, ConfigError, EngineError, EngineUnav
 from tests import fake_mori
 
 ROOT = Path(__file__).resolve().parent.parent
+
+if TYPE_CHECKING:
+    from aiotransfer.engines.mori import MoriEngine
+    from aiotransfer.engines.nixl import NixlEngine
+
+    def _adapters_satisfy_the_protocol(a: mc.MooncakeEngine, b: NixlEngine, c: MoriEngine) -> list[TransferEngine]:
+        return [a, b, c]  # checked by mypy, structurally
 
 
 # -- traits ------------------------------------------------------------------------------------------
@@ -76,6 +83,32 @@ def test_mori_over_the_fake_satisfies_the_protocol(monkeypatch: pytest.MonkeyPat
     assert repr(engine).endswith(" closed>")
     with pytest.raises(ClosedError, match="MORI engine is closed"):
         engine.local_info()
+
+
+def test_registry_refuses_an_engine_without_the_optional_members() -> None:
+    from aiotransfer.engines import registry
+
+    closed: list[bool] = []
+
+    class Old:
+        """An adapter written before traits existed."""
+
+        name = "old"
+        cheap_submit = True
+
+        def close(self) -> None:
+            closed.append(True)
+
+    registry.register_engine("old-style", lambda config: Old())
+    registry.register_engine("new-style", lambda config: EngineBase())
+    try:
+        with pytest.raises(ConfigError, match=r"lacks traits, probe_region, credit_scope, try_submit_inline: inherit"):
+            registry.create_engine(TransferConfig(engine="old-style"))
+        assert closed == [True]
+        assert isinstance(registry.create_engine(TransferConfig(engine="new-style")), EngineBase)
+    finally:
+        registry._ENGINES.pop("old-style", None)
+        registry._ENGINES.pop("new-style", None)
 
 
 # -- vendor errors -------------------------------------------------------------------------------------

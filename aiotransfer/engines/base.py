@@ -158,9 +158,13 @@ class TransferEngine(Protocol):
     name: str
     traits: EngineTraits
     """What the core needs to know about this engine (see :class:`EngineTraits`)."""
-    probe_region: MemoryRegion | None
-    """A small registered region whose address peers receive as ``probe_addr`` and may write one byte into
-    during ``connect``; None when the engine needs none."""
+
+    @property
+    def probe_region(self) -> MemoryRegion | None:
+        """A small registered region whose address peers receive as ``probe_addr`` and may write one byte
+        into during ``connect``; None when the engine needs none. (Read-only here, so an adapter may
+        declare it as a plain attribute of type ``MemoryRegion``.)"""
+        ...
 
     @property
     def credit_scope(self) -> object:

@@ -1,8 +1,10 @@
 """Mooncake TransferEngine adapter (``mooncake.engine``).
 
 Install: ``pip install aiotransfer[mooncake-cpu]`` (``mooncake-transfer-engine-non-cuda``) on hosts without
-an NVIDIA driver, ``aiotransfer[mooncake]`` (``mooncake-transfer-engine``) on GPU hosts. The wheels are
-mutually exclusive (same ``mooncake`` package); the CUDA ones fail to import without ``libcuda.so.1``.
+an NVIDIA driver, ``aiotransfer[mooncake]`` (``mooncake-transfer-engine``) on CUDA 12 hosts,
+``aiotransfer[mooncake-cuda13]`` on CUDA 13 hosts (:func:`~aiotransfer.engines.mooncake_setup.recommended_wheels`).
+The wheels are mutually exclusive (same ``mooncake`` package); the CUDA ones fail to import without
+``libcuda.so.1``.
 
 Call by call (measured facts, see the project's engine notes):
 

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -125,8 +125,6 @@ class AgentEngine(EngineBase):
     ``transport`` and a non-blocking ``check``.
     """
 
-    vendor: ClassVar[str] = "engine"
-    """The library's name in messages (``"NIXL"``, ``"MORI"``)."""
     _lock: threading.Lock
     _closed: bool
     _peers: dict[str, Any]

@@ -89,7 +89,7 @@ _CHECK_PENDING, _CHECK_DONE, _CHECK_FAILED, _CHECK_TIMEOUT = 0, 1, -1, -2
 _RC_ALREADY_REGISTERED = -7
 _HANDSHAKE_RETRY_S = 0.25
 _HANDSHAKE_WINDOW_S = 2.0
-_BENIGN_INIT_ERROR = re.compile(rb"E\d{4} [\d:.]+ +\d+ transfer_metadata\.cpp:\d+\] Local segment descriptor not found\s*")
+_BENIGN_INIT_ERROR = re.compile(rb"E\d{4,8} [\d:.]+ +\d+ transfer_metadata\.cpp:\d+\] Local segment descriptor not found\s*")
 """The one glog line :func:`_without_benign_init_error` drops (any timestamp, thread id and line number)."""
 
 _LOAD_APPLIED: dict[str, str] = {}

@@ -104,7 +104,6 @@ class MoriEngine(AgentEngine):
     """MORI-IO adapter, one ``IOEngine`` per instance (see module docstring)."""
 
     name = "mori"
-    vendor = "MORI"
     traits = EngineTraits(entry_cost_s=5e-6, bandwidth_bps=20.0e9)
 
     def __init__(self, config: TransferConfig) -> None:

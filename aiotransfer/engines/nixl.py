@@ -211,7 +211,6 @@ class NixlEngine(AgentEngine):
     """NIXL adapter with one agent per instance (see module docstring)."""
 
     name = "nixl"
-    vendor = "NIXL"
     traits = EngineTraits(entry_cost_s=6e-6, bandwidth_bps=8.0e9)
     """Not ``cheap_submit``: ``transfer()`` may copy inline over UCX shared memory, so writes are submitted
     from the executor, except small ones that find the agent free (:meth:`try_submit_inline`). Not

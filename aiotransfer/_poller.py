@@ -246,8 +246,7 @@ class Poller:
         queue limit belongs to the engine (Mooncake's is process-wide), not to one manager."""
         credits = self._credits.get(peer)
         if credits is None:
-            scope = getattr(self.engine, "credit_scope", self.engine)
-            key = (id(scope), peer, id(loop))
+            key = (id(self.engine.credit_scope), peer, id(loop))
             credits = _SHARED_CREDITS.get(key)
             if credits is None or credits.cap != self.max_in_flight:
                 credits = _SHARED_CREDITS[key] = _Credits(self.max_in_flight)
@@ -264,11 +263,9 @@ class Poller:
     ) -> TransferHandle:
         if len(piece) <= self.inline_submit_max:
             return self.engine.submit_write(peer, piece)
-        try_inline = getattr(self.engine, "try_submit_inline", None)
-        if try_inline is not None:
-            inline: TransferHandle | None = try_inline(peer, piece)
-            if inline is not None:
-                return inline
+        inline = self.engine.try_submit_inline(peer, piece)
+        if inline is not None:
+            return inline
         cfut = self.offloader.submit(self.engine.submit_write, peer, piece)
         afut = asyncio.wrap_future(cfut, loop=loop)
         try:

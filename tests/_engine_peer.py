@@ -29,7 +29,7 @@ def main() -> None:
     engine = create_engine(TransferConfig(engine=name))
     buf = np.zeros(nbytes, dtype=np.uint8)
     engine.register([MemoryRegion(int(buf.ctypes.data), nbytes)])
-    probe = getattr(engine, "probe_region", None)
+    probe = engine.probe_region
     hello = {
         "session_id": engine.session_id,
         "info": base64.b64encode(engine.local_info()).decode(),

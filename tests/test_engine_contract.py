@@ -28,7 +28,14 @@ import numpy as np
 import pytest
 
 from aiotransfer.config import TransferConfig
-from aiotransfer.engines.base import EngineStatus, MemoryRegion, TransferEngine, TransferHandle, WaitMode
+from aiotransfer.engines.base import (
+    EngineStatus,
+    EngineTraits,
+    MemoryRegion,
+    TransferEngine,
+    TransferHandle,
+    WaitMode,
+)
 from aiotransfer.errors import ClosedError, EngineError, EngineUnavailable
 from aiotransfer.plan import Blocks
 from tests import fake_mori
@@ -198,6 +205,10 @@ def src_crc(rig: Rig, off: int, n: int) -> int:
 
 def test_satisfies_protocol_and_describes_itself(rig: Rig) -> None:
     assert isinstance(rig.engine, TransferEngine)
+    assert isinstance(rig.engine.traits, EngineTraits)
+    assert rig.engine.credit_scope is not None
+    probe = rig.engine.probe_region
+    assert probe is None or isinstance(probe, MemoryRegion)
     info = rig.engine.describe()
     assert {"engine", "session_id", "transport"} <= set(info)
     assert info["engine"] == rig.kind

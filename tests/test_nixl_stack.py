@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from aiotransfer import KVArgs, KVManager, KVPoll, TransferConfig
+from aiotransfer.engines.base import TransferHandle
 from aiotransfer.errors import ConfigError, EngineUnavailable
+from aiotransfer.plan import Blocks
 
 BUFFERS, PAGES, ITEM = 3, 128, 2048
 
@@ -73,11 +75,11 @@ async def test_nixl_small_writes_post_from_the_loop_only_when_the_agent_is_free(
     ):
         eng = prefill.engine
         attempts: list[tuple[int, bool]] = []
-        original = eng.try_submit_inline  # type: ignore[attr-defined]
+        original = eng.try_submit_inline
 
-        def spy(peer: str, blocks: object) -> object:
+        def spy(peer: str, blocks: Blocks) -> TransferHandle | None:
             handle = original(peer, blocks)
-            attempts.append((blocks.nbytes, handle is not None))  # type: ignore[attr-defined]
+            attempts.append((blocks.nbytes, handle is not None))
             return handle
 
         monkeypatch.setattr(eng, "try_submit_inline", spy)

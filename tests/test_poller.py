@@ -16,18 +16,25 @@ import pytest
 from aiotransfer import _poller
 from aiotransfer._offload import Offloader
 from aiotransfer._poller import Poller
-from aiotransfer.engines.base import EngineStatus, TransferEngine, TransferHandle, WaitMode
+from aiotransfer.engines.base import (
+    EngineBase,
+    EngineStatus,
+    EngineTraits,
+    TransferEngine,
+    TransferHandle,
+    WaitMode,
+)
 from aiotransfer.errors import TransferTimeout
 from aiotransfer.plan import Blocks
 
 WATCH_S = 0.1
 
 
-class HeldEngine:
+class HeldEngine(EngineBase):
     """Single-entry POLL transfers that stay pending until ``release()``; counts ``check`` calls."""
 
     name = "held"
-    cheap_submit = True
+    traits = EngineTraits(cheap_submit=True)
 
     def __init__(self) -> None:
         self.checks = 0

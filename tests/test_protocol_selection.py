@@ -23,6 +23,7 @@ import pytest
 
 from aiotransfer import KVArgs, KVManager, TransferConfig
 from aiotransfer.engines import mooncake as mc
+from aiotransfer.engines import mooncake_setup as mcs
 from aiotransfer.engines.mooncake import (
     MOONCAKE_PROTOCOLS,
     MooncakeSetup,
@@ -199,7 +200,7 @@ def test_ascend_hostname_suffix_and_free_port() -> None:
 def test_alias_env_is_setdefault(user: dict[str, str], expected: dict[str, str]) -> None:
     environ = dict(user)
     setup = select_mooncake_setup(config_protocol=None, env=environ, alias_tcp=True, build_flags=NON_CUDA)
-    applied = mc._apply_env(TransferConfig(engine="mooncake_tcp"), setup, environ)
+    applied = mcs.apply_env(TransferConfig(engine="mooncake_tcp"), setup, environ)
     assert environ["MC_FORCE_TCP"] == expected["MC_FORCE_TCP"]
     assert ("MC_FORCE_TCP" in applied) == (not user)
     # Mooncake checks getenv("MC_FORCE_TCP") != NULL: either way the engine runs TCP, and we say so
@@ -209,18 +210,18 @@ def test_alias_env_is_setdefault(user: dict[str, str], expected: dict[str, str])
 def test_apply_env_timeouts_and_log_level() -> None:
     setup = select_mooncake_setup(config_protocol="rdma", env={}, alias_tcp=False, build_flags=NON_CUDA)
     environ = {"MC_LOG_LEVEL": "INFO"}
-    applied = mc._apply_env(TransferConfig(engine_timeout_s=7), setup, environ)
+    applied = mcs.apply_env(TransferConfig(engine_timeout_s=7), setup, environ)
     assert environ == {
         "MC_LOG_LEVEL": "INFO", "MC_TRANSFER_TIMEOUT": "7", "MC_TCP_STATUS_TIMEOUT_SEC": "6",
     }
     assert "MC_LOG_LEVEL" not in applied and "MC_FORCE_TCP" not in environ
-    environ = {mc.REFRESH_ENV: "9"}
+    environ = {mcs.REFRESH_ENV: "9"}
     config = TransferConfig(engine_timeout_s=None, engine_log_level="ERROR", engine_metadata_refresh_s=5)
-    mc._apply_env(config, setup, environ)
-    assert environ == {"MC_LOG_LEVEL": "ERROR", mc.REFRESH_ENV: "9"}  # the user's value wins
+    mcs.apply_env(config, setup, environ)
+    assert environ == {"MC_LOG_LEVEL": "ERROR", mcs.REFRESH_ENV: "9"}  # the user's value wins
     environ = {}
-    mc._apply_env(TransferConfig(engine_timeout_s=None, engine_metadata_refresh_s=3), setup, environ)
-    assert environ == {"MC_LOG_LEVEL": "ERROR", mc.REFRESH_ENV: "3"}
+    mcs.apply_env(TransferConfig(engine_timeout_s=None, engine_metadata_refresh_s=3), setup, environ)
+    assert environ == {"MC_LOG_LEVEL": "ERROR", mcs.REFRESH_ENV: "3"}
     assert mc._fresh_alias("10.0.0.5:15228") == "10.0.0.5:015228"
     assert mc._fresh_alias("[fe80::1]:015228") == "[fe80::1]:0015228"
 
@@ -287,9 +288,9 @@ def test_reported_transport_never_claims_a_missing_build(
     try:
         setup = select_mooncake_setup(config_protocol=protocol, env=environ, alias_tcp=alias, build_flags=flags)
     except ConfigError as exc:  # alias contradicted by the config, or a build flag missing
-        assert (alias and protocol != "tcp") or protocol in mc._PROTOCOL_BUILD_FLAG, exc
+        assert (alias and protocol != "tcp") or protocol in mcs.PROTOCOL_BUILD_FLAGS, exc
         return
-    mc._apply_env(TransferConfig(), setup, environ)
+    mcs.apply_env(TransferConfig(), setup, environ)
     transport = installed_transport(setup.protocol, flags, environ, has_hca)
     needs = {"efa": "SUPPORT_EFA", "nvlink": "SUPPORT_MNNVL", "nvlink_intra": "SUPPORT_INTRA_NVLINK",
              "hip": "SUPPORT_HIP", "ascend": "SUPPORT_ASCEND"}

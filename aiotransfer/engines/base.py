@@ -12,6 +12,14 @@ promise, method by method, whether a call blocks, spins or is cheap. The primiti
 * ``wait``                           -- blocking wait for a BLOCK handle, exactly once, on a waiter thread
 * ``close``                          -- tear down
 
+Besides the primitives, each engine declares what the core needs to know about it, with defaults in one
+place (:class:`EngineBase`; an adapter that declares every member itself need not inherit it):
+
+* ``traits``                         -- :class:`EngineTraits`: inline submit, quiet threads, staging constants
+* ``probe_region``                   -- a registered byte peers may write to during ``connect`` (or None)
+* ``credit_scope``                   -- the object whose per-peer in-flight entry limit writes share
+* ``try_submit_inline``              -- post a small write from the event loop if that cannot wait, else None
+
 A :class:`TransferHandle` is consumed exactly once: after ``check`` or ``wait`` returned a terminal
 status the adapter has already released the native handle, and any further query raises instead of
 touching freed memory (Mooncake batch ids are raw pointers; a second query is a use-after-free).
@@ -28,7 +36,9 @@ from ..errors import EngineError
 from ..plan import Blocks
 
 __all__ = [
+    "EngineBase",
     "EngineStatus",
+    "EngineTraits",
     "MemoryRegion",
     "TransferEngine",
     "TransferHandle",
@@ -110,11 +120,62 @@ class TransferHandle:
         )
 
 
+@dataclass(frozen=True)
+class EngineTraits:
+    """What the core needs to know about an engine to drive it well; read as ``engine.traits.<field>``.
+
+    The defaults describe a cautious engine: every submit goes through the executor, its threads may
+    busy-poll, and its staging constants are Mooncake TCP's (measured).
+    """
+
+    cheap_submit: bool = False
+    """``submit_write`` of one entry only queues work: the poll loop calls it from the event loop instead of
+    the executor."""
+    quiet_threads: bool = False
+    """The engine's own threads block while idle: after a ``Success`` the loop may yield its CPU
+    (``TransferConfig.yield_after_notify``), and ``engine_threads="background"`` may put them at idle
+    priority. Never set it for an engine whose threads busy-poll."""
+    entry_cost_s: float = 30e-6
+    """Cost of one transfer entry whatever its size, in seconds: a constant of the staging cost model."""
+    bandwidth_bps: float = 2e9
+    """Throughput of one peer connection in bytes per second: the other constant of the staging cost model."""
+
+    def __post_init__(self) -> None:
+        if self.entry_cost_s < 0 or self.bandwidth_bps <= 0:
+            raise ValueError(
+                f"invalid engine traits entry_cost_s={self.entry_cost_s} bandwidth_bps={self.bandwidth_bps}"
+            )
+
+
 @runtime_checkable
 class TransferEngine(Protocol):
-    """What every engine adapter provides (structural typing; adapters need not inherit)."""
+    """What every engine adapter provides (structural typing; adapters need not inherit).
+
+    :class:`EngineBase` supplies the defaults of ``traits``, ``probe_region``, ``credit_scope`` and
+    ``try_submit_inline``.
+    """
 
     name: str
+    traits: EngineTraits
+    """What the core needs to know about this engine (see :class:`EngineTraits`)."""
+
+    @property
+    def probe_region(self) -> MemoryRegion | None:
+        """A small registered region whose address peers receive as ``probe_addr`` and may write one byte
+        into during ``connect``; None when the engine needs none. (Read-only here, so an adapter may
+        declare it as a plain attribute of type ``MemoryRegion``.)"""
+        ...
+
+    @property
+    def credit_scope(self) -> object:
+        """The object whose per-peer in-flight entry limit this engine's writes count against: every poller
+        driving an engine with the same scope (on one event loop) shares one budget per peer."""
+        ...
+
+    def try_submit_inline(self, peer: str, blocks: Blocks) -> TransferHandle | None:
+        """Post a small write from the calling (event-loop) thread if that cannot wait (no lock held
+        elsewhere, no copy of size); None, with nothing posted, sends the write through the executor."""
+        ...
 
     @property
     def session_id(self) -> str:
@@ -145,3 +206,41 @@ class TransferEngine(Protocol):
     def forget_peer(self, peer: str) -> None: ...
 
     def close(self) -> None: ...
+
+
+class EngineBase:
+    """The defaults of the optional engine members, in one place; adapters and fakes inherit them.
+
+    Override ``traits`` (a class attribute, or an instance attribute set in ``__init__`` when a measured
+    value depends on the configuration), ``probe_region``, ``credit_scope`` or ``try_submit_inline`` as
+    the engine needs.
+    """
+
+    traits: EngineTraits = EngineTraits()
+    probe_region: MemoryRegion | None = None
+
+    @property
+    def credit_scope(self) -> object:
+        """Default: the adapter itself (its limits are its own)."""
+        return self
+
+    def try_submit_inline(self, peer: str, blocks: Blocks) -> TransferHandle | None:
+        """Default: never inline; every write goes through the executor."""
+        return None
+
+    # Transitional read-only aliases of ``traits`` for callers that still probe the flat names.
+    @property
+    def cheap_submit(self) -> bool:
+        return self.traits.cheap_submit
+
+    @property
+    def quiet_threads(self) -> bool:
+        return self.traits.quiet_threads
+
+    @property
+    def entry_cost_s(self) -> float:
+        return self.traits.entry_cost_s
+
+    @property
+    def bandwidth_bps(self) -> float:
+        return self.traits.bandwidth_bps

@@ -1,8 +1,10 @@
 """Mooncake TransferEngine adapter (``mooncake.engine``).
 
 Install: ``pip install aiotransfer[mooncake-cpu]`` (``mooncake-transfer-engine-non-cuda``) on hosts without
-an NVIDIA driver, ``aiotransfer[mooncake]`` (``mooncake-transfer-engine``) on GPU hosts. The wheels are
-mutually exclusive (same ``mooncake`` package); the CUDA ones fail to import without ``libcuda.so.1``.
+an NVIDIA driver, ``aiotransfer[mooncake]`` (``mooncake-transfer-engine``) on CUDA 12 hosts,
+``aiotransfer[mooncake-cuda13]`` on CUDA 13 hosts (:func:`~aiotransfer.engines.mooncake_setup.recommended_wheels`).
+The wheels are mutually exclusive (same ``mooncake`` package); the CUDA ones fail to import without
+``libcuda.so.1``.
 
 Call by call (measured facts, see the project's engine notes):
 
@@ -28,26 +30,32 @@ them one-shot so no id is ever queried twice (a second query is a use-after-free
 The native engine is shared by every manager in the process under a reference count (as serving stacks
 share it between PD transfer and KV offloading); each adapter owns only its own registrations.
 
-Protocol selection happens in one place, :func:`select_mooncake_setup` (pure): config ``protocol``, then
+Protocol selection happens in one place, :func:`select_mooncake_setup` (pure, in
+:mod:`aiotransfer.engines.mooncake_setup`, re-exported here): config ``protocol``, then
 ``$MOONCAKE_PROTOCOL``, then ``"rdma"``; engine ``mooncake_tcp`` means ``tcp``. Mooncake's ``protocol``
 argument does not select the transport in most builds (it picks a memory allocator; the transport comes
 from the build, ``MC_FORCE_TCP``/``MC_FORCE_MNNVL``/``MC_INTRANODE_NVLINK`` and topology discovery), so
 the adapter sets those variables itself (``setdefault``: a user's value wins) and reports the transport
 that was actually installed (:func:`installed_transport`) in a log line and in ``describe()``.
+
+Mooncake logs ``E... transfer_metadata.cpp:NNN] Local segment descriptor not found`` inside every
+``initialize`` in P2P handshake mode: installing a transport looks up the descriptor of its own segment
+before creating it. The adapter drops exactly that line, only while ``initialize`` runs
+(:func:`_without_benign_init_error`); every other line passes through.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
+import contextlib
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -55,7 +63,17 @@ import numpy as np
 from ..config import TransferConfig
 from ..errors import ConfigError, EngineError, EngineUnavailable
 from ..plan import Blocks
-from .base import EngineStatus, MemoryRegion, TransferHandle, WaitMode
+from .base import EngineBase, EngineStatus, EngineTraits, MemoryRegion, TransferHandle, WaitMode
+from .mooncake_setup import (
+    MOONCAKE_PROTOCOLS,
+    REFRESH_ENV,
+    MooncakeSetup,
+    apply_env,
+    installed_transport,
+    load_time_env,
+    read_build_flags,
+    select_mooncake_setup,
+)
 
 __all__ = [
     "MOONCAKE_PROTOCOLS",
@@ -67,261 +85,12 @@ __all__ = [
 
 log = logging.getLogger("aiotransfer.engines.mooncake")
 
-MOONCAKE_PROTOCOLS = ("rdma", "efa", "tcp", "nvlink", "nvlink_intra", "ascend", "hip")
-PROTOCOL_ENV = "MOONCAKE_PROTOCOL"
-FORCE_TCP_ENV = "MC_FORCE_TCP"
-NPU_PHY_ID_ENV = "ASCEND_NPU_PHY_ID"
-ASCEND_DIST = "mooncake-transfer-engine-npu"
-ASCEND_FLAG = "SUPPORT_ASCEND"
-"""Pseudo build flag: the binding exports none for Ascend, so it is derived from the installed wheel."""
-
-_PROTOCOL_BUILD_FLAG = {
-    "efa": "SUPPORT_EFA",
-    "nvlink": "SUPPORT_MNNVL",
-    "nvlink_intra": "SUPPORT_INTRA_NVLINK",
-    "hip": "SUPPORT_HIP",
-}
-_PROTOCOL_ENV_DEFAULTS: dict[str, dict[str, str]] = {
-    # Mooncake tests these with getenv(): presence, not value. The protocol argument alone does not
-    # select these transports (it only picks the memory allocator), the variables do.
-    "tcp": {FORCE_TCP_ENV: "1"},
-    "nvlink": {"MC_FORCE_MNNVL": "1"},
-    "nvlink_intra": {"MC_INTRANODE_NVLINK": "1"},
-}
-_FALSY = {"", "0", "false", "no", "off"}
 _CHECK_PENDING, _CHECK_DONE, _CHECK_FAILED, _CHECK_TIMEOUT = 0, 1, -1, -2
 _RC_ALREADY_REGISTERED = -7
 _HANDSHAKE_RETRY_S = 0.25
 _HANDSHAKE_WINDOW_S = 2.0
-REFRESH_ENV = "MC_TE_METADATA_REFRESH_INTERVAL_SECONDS"
-
-
-def _wheel_for(protocol: str, build_flags: Mapping[str, bool]) -> str:
-    """The Mooncake wheel (or build) providing ``protocol``; wheel names as published for 0.3.13."""
-    cuda = build_flags.get("SUPPORT_CUDA", False)
-    if protocol == "efa":
-        if cuda:
-            return "pip install mooncake-transfer-engine-efa  (CUDA 12; mooncake-transfer-engine-efa-cuda13 for CUDA 13)"
-        return "pip install mooncake-transfer-engine-efa-non-cuda"
-    if protocol == "hip":
-        return "pip install mooncake-transfer-engine-rocm  (ROCm build, USE_HIP)"
-    if protocol == "nvlink_intra":
-        return ("pip install mooncake-transfer-engine  (the x86_64 CUDA wheels are built with USE_INTRA_NVLINK; "
-                "mooncake-transfer-engine-cuda13 for CUDA 13)")
-    return ("the aarch64 CUDA wheel of mooncake-transfer-engine (built with USE_MNNVL); on x86_64 build "
-            "Mooncake from source with -DUSE_MNNVL=ON")
-
-
-@dataclass(frozen=True)
-class MooncakeSetup:
-    """The outcome of protocol selection: what to pass to ``initialize`` and which env to set first."""
-
-    protocol: str
-    """Protocol string passed to ``TransferEngine.initialize``."""
-    source: str
-    """Where the protocol came from: ``alias`` (engine ``mooncake_tcp``), ``config``, ``env`` or ``default``."""
-    device_name: str
-    """RDMA device list passed to ``initialize`` (empty: auto-discovery, or none when TCP is forced)."""
-    env_defaults: Mapping[str, str] = field(default_factory=dict)
-    """Variables set with ``setdefault`` before the engine exists (an explicit user value wins)."""
-    force_tcp: bool = False
-    """TCP was asked for (protocol ``tcp`` or the ``mooncake_tcp`` alias): ``MC_FORCE_TCP``, no devices."""
-    npu_id: int | None = None
-    """Ascend only: the NPU physical id that ends the local hostname (``host:port:npu_<id>``)."""
-    notes: tuple[str, ...] = ()
-    """Things the user should know (logged as warnings when the engine is created)."""
-
-    @property
-    def hostname_suffix(self) -> str:
-        """Template of what is appended to the hostname: ``":{port}:npu_<id>"`` for Ascend, else empty."""
-        return "" if self.npu_id is None else f":{{port}}:npu_{self.npu_id}"
-
-    def local_hostname(self, hostname: str, port: int | None = None) -> str:
-        """The ``local_hostname`` for ``initialize``; Ascend needs ``port`` (a free port, see ``_free_port``)."""
-        if self.npu_id is None:
-            return hostname
-        if port is None:
-            raise ValueError("the Ascend hostname needs a port")
-        return hostname + self.hostname_suffix.format(port=port)
-
-
-def select_mooncake_setup(
-    *,
-    config_protocol: str | None,
-    env: Mapping[str, str],
-    alias_tcp: bool,
-    build_flags: Mapping[str, bool],
-    rdma_devices: str | None = None,
-    device_id: int | None = None,
-) -> MooncakeSetup:
-    """Choose the Mooncake protocol, device list and environment, in one place (pure).
-
-    Precedence: ``config_protocol``, then ``$MOONCAKE_PROTOCOL``, then ``"rdma"``. The ``mooncake_tcp``
-    alias (``alias_tcp``) means protocol ``tcp`` (``$MOONCAKE_PROTOCOL`` is then ignored; a different
-    explicit ``config_protocol`` is an error). Protocol ``tcp`` sets ``MC_FORCE_TCP=1`` (setdefault) and
-    passes no RDMA devices. Protocols that need a special build (efa, nvlink, nvlink_intra, hip) are
-    refused without the build flag, naming the wheel to install. ``ascend`` gets the NPU id for the
-    ``host:port:npu_<id>`` hostname from ``$ASCEND_NPU_PHY_ID``, else ``device_id``, else 0.
-    ``rdma_devices`` is a comma list or a JSON map ``{gpu_id: "dev,dev" | [dev, ...]}`` (by ``device_id``).
-    """
-    notes: list[str] = []
-    config_value = (config_protocol or "").strip().lower()
-    env_value = env.get(PROTOCOL_ENV, "").strip().lower()
-    if alias_tcp:
-        if config_value and config_value != "tcp":
-            raise ConfigError(
-                f"engine 'mooncake_tcp' forces TCP but protocol={config_protocol!r} was given; use "
-                f"engine='mooncake' with that protocol, or drop the protocol"
-            )
-        protocol, source = "tcp", "alias"
-        if env_value and env_value != "tcp":
-            notes.append(f"engine 'mooncake_tcp' ignores {PROTOCOL_ENV}={env[PROTOCOL_ENV]!r}")
-    elif config_value:
-        protocol, source = config_value, "config"
-    elif env_value:
-        protocol, source = env_value, "env"
-    else:
-        protocol, source = "rdma", "default"
-    if protocol not in MOONCAKE_PROTOCOLS:
-        where = f"${PROTOCOL_ENV}" if source == "env" else "config protocol"
-        raise ConfigError(
-            f"unknown Mooncake protocol {protocol!r} (from {where}); expected one of {', '.join(MOONCAKE_PROTOCOLS)}"
-        )
-    flag = _PROTOCOL_BUILD_FLAG.get(protocol)
-    if flag is not None and not build_flags.get(flag, False):
-        raise ConfigError(
-            f"Mooncake protocol {protocol!r} needs a Mooncake build with {flag}; the installed mooncake "
-            f"package lacks it. All Mooncake wheels provide the same 'mooncake' package: pip uninstall the "
-            f"installed one, then {_wheel_for(protocol, build_flags)}"
-        )
-    force_tcp = protocol == "tcp"
-    env_defaults = dict(_PROTOCOL_ENV_DEFAULTS.get(protocol, {}))
-    forced = env.get(FORCE_TCP_ENV)
-    if forced is not None and forced.strip().lower() in _FALSY:
-        notes.append(
-            f"{FORCE_TCP_ENV}={forced!r} is set: Mooncake only checks that the variable exists, so TCP is "
-            f"forced anyway; unset it to let Mooncake use RDMA"
-        )
-    elif forced is not None and not force_tcp:
-        notes.append(f"{FORCE_TCP_ENV} is set: Mooncake installs TCP, not {protocol!r}")
-    if build_flags.get("SUPPORT_EFA", False) and protocol not in ("efa", "tcp"):
-        notes.append(f"this Mooncake build has EFA support and installs only EFA or TCP: {protocol!r} runs over TCP")
-    npu_id: int | None = None
-    if protocol == "ascend":
-        npu_id = _npu_id(env, device_id)
-        if not build_flags.get(ASCEND_FLAG, False):
-            notes.append(f"protocol 'ascend' but the installed Mooncake is not the Ascend wheel ({ASCEND_DIST})")
-    if force_tcp:
-        device_name = ""
-        if rdma_devices:
-            notes.append("rdma_devices is ignored: TCP is forced")
-    else:
-        device_name = _resolve_rdma_devices(rdma_devices, device_id)
-    return MooncakeSetup(protocol, source, device_name, env_defaults, force_tcp, npu_id, tuple(notes))
-
-
-def _npu_id(env: Mapping[str, str], device_id: int | None) -> int:
-    raw = env.get(NPU_PHY_ID_ENV, "").strip()
-    if raw and raw != "-1":  # SGLang's convention: -1 means unset
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ConfigError(f"{NPU_PHY_ID_ENV}={raw!r} is not an integer NPU physical id") from None
-        if value < 0:
-            raise ConfigError(f"{NPU_PHY_ID_ENV}={raw!r} must be >= 0 (or -1 for unset)")
-        return value
-    return device_id if device_id is not None else 0
-
-
-def _resolve_rdma_devices(spec: str | None, device_id: int | None) -> str:
-    """A comma list, or a JSON map ``{gpu_id: "dev1,dev2"}`` / ``{gpu_id: [..]}`` picked by ``device_id``."""
-    if not spec or not spec.strip():
-        return ""
-    spec = spec.strip()
-    if not spec.startswith(("{", "[")):
-        return _device_list(spec.split(","), spec)
-    try:
-        table = json.loads(spec)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"rdma_devices is not valid JSON: {exc}") from None
-    if not isinstance(table, dict):
-        raise ConfigError(
-            f"rdma_devices JSON must map a GPU id to devices, e.g. {{\"0\": \"mlx5_0,mlx5_1\"}}; got {spec!r}"
-        )
-    key = str(device_id if device_id is not None else 0)
-    if key not in table:
-        raise ConfigError(
-            f"rdma_devices has no entry for GPU {key} (this rank's device_id); keys: {', '.join(sorted(table))}"
-        )
-    value = table[key]
-    if isinstance(value, str):
-        return _device_list(value.split(","), spec)
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return _device_list(value, spec)
-    raise ConfigError(f"rdma_devices entry for GPU {key} must be a string or a list of strings, got {value!r}")
-
-
-def _device_list(items: Sequence[str], spec: str) -> str:
-    names: list[str] = []
-    for item in items:
-        name = item.strip()
-        if name and name not in names:
-            names.append(name)
-    if not names:
-        raise ConfigError(f"rdma_devices names no device: {spec!r}")
-    return ",".join(names)
-
-
-def installed_transport(
-    protocol: str,
-    build_flags: Mapping[str, bool],
-    env: Mapping[str, str],
-    has_hca: bool | Callable[[], bool],
-) -> str:
-    """The transport Mooncake installs for this protocol, build and environment (pure; ``has_hca`` may be
-    a callable, asked only when the answer depends on it).
-
-    Mirrors ``TransferEnginePy::initializeExt`` and ``TransferEngineImpl::init`` (Mooncake 0.3.13): EFA
-    builds install EFA for ``efa`` and TCP otherwise; ``MC_FORCE_TCP`` (present, whatever its value) means
-    TCP; Ascend builds install the Ascend transport; NVLink builds pick ``nvlink_intra`` on
-    ``MC_INTRANODE_NVLINK``, ``nvlink`` when forced or without HCAs, else RDMA; other builds pick RDMA when
-    an HCA is found (or ``MC_FORCE_HCA``), else TCP. HIP builds add ``hip`` for intra-node GPU copies.
-    """
-    if build_flags.get("SUPPORT_EFA", False):
-        return "efa" if protocol == "efa" else "tcp"
-    if FORCE_TCP_ENV in env:
-        return "tcp"
-    if build_flags.get(ASCEND_FLAG, False):
-        return "ascend"
-
-    def hca() -> bool:
-        return has_hca() if callable(has_hca) else has_hca
-
-    force_hca = "MC_FORCE_HCA" in env
-    musa = build_flags.get("SUPPORT_MUSA", False)
-    p2p_compiled = build_flags.get("SUPPORT_MNNVL", False) or musa
-    if p2p_compiled or build_flags.get("SUPPORT_INTRA_NVLINK", False):
-        force_p2p = "MC_FORCE_MNNVL" in env or (musa and "MC_FORCE_MUSA" in env)
-        if "MC_INTRANODE_NVLINK" in env:
-            base = "nvlink_intra"
-        elif p2p_compiled and (force_p2p or not hca()):
-            base = "musa" if musa else "nvlink"
-        elif force_hca or hca():
-            base = "rdma"
-        else:
-            base = "tcp"
-    else:
-        base = "rdma" if force_hca or hca() else "tcp"
-    return base + "+hip" if build_flags.get("SUPPORT_HIP", False) else base
-
-
-def _load_time_env(config: TransferConfig) -> dict[str, str]:
-    """Variables the extension reads once, when it loads (glog's level, the engine's global config)."""
-    wanted = {"MC_LOG_LEVEL": config.engine_log_level}
-    if config.engine_metadata_refresh_s is not None:
-        wanted[REFRESH_ENV] = str(config.engine_metadata_refresh_s)
-    return wanted
-
+_BENIGN_INIT_ERROR = re.compile(rb"E\d{4,8} [\d:.]+ +\d+ transfer_metadata\.cpp:\d+\] Local segment descriptor not found\s*")
+"""The one glog line :func:`_without_benign_init_error` drops (any timestamp, thread id and line number)."""
 
 _LOAD_APPLIED: dict[str, str] = {}
 """What ``_import_engine_module`` set before the first import (reported with the engine's start line)."""
@@ -330,7 +99,7 @@ _LOAD_APPLIED: dict[str, str] = {}
 def _import_engine_module(config: TransferConfig) -> Any:
     # Set (unless the user did) before the first import: later values are ignored by the loaded extension.
     if "mooncake.engine" not in sys.modules:
-        for key, value in _load_time_env(config).items():
+        for key, value in load_time_env(config).items():
             if key not in os.environ:
                 os.environ[key] = value
                 _LOAD_APPLIED[key] = value
@@ -350,32 +119,6 @@ def _import_engine_module(config: TransferConfig) -> Any:
             hint = "missing system libraries: apt-get install -y libibverbs1 libnuma1 libcurl4"
         raise EngineUnavailable(f"Mooncake TransferEngine cannot be loaded ({exc}); {hint}") from exc
     return module
-
-
-def _build_flags(module: Any) -> dict[str, bool]:
-    """The module's ``SUPPORT_*`` build flags, plus ``SUPPORT_ASCEND`` derived from the installed wheel."""
-    flags = {k: bool(getattr(module, k, False)) for k in dir(module) if k.startswith("SUPPORT_")}
-    try:
-        importlib.metadata.version(ASCEND_DIST)
-        flags[ASCEND_FLAG] = True
-    except importlib.metadata.PackageNotFoundError:
-        flags.setdefault(ASCEND_FLAG, False)
-    return flags
-
-
-def _apply_env(config: TransferConfig, setup: MooncakeSetup, environ: MutableMapping[str, str]) -> dict[str, str]:
-    """``setdefault`` the engine's variables (a value the user set wins); returns what was actually set."""
-    wanted = dict(setup.env_defaults)
-    wanted.update(_load_time_env(config))
-    if config.engine_timeout_s is not None:
-        wanted["MC_TRANSFER_TIMEOUT"] = str(config.engine_timeout_s)
-        wanted["MC_TCP_STATUS_TIMEOUT_SEC"] = str(max(3, config.engine_timeout_s - 1))
-    applied: dict[str, str] = {}
-    for key, value in wanted.items():
-        if key not in environ:
-            environ[key] = value
-            applied[key] = value
-    return applied
 
 
 def _free_port() -> int:
@@ -422,6 +165,58 @@ def _env_int(name: str) -> int:
         return 0
 
 
+@contextlib.contextmanager
+def _without_benign_init_error() -> Iterator[None]:
+    """While the block runs, pass file descriptor 2 through a filter that drops Mooncake's benign
+    ``Local segment descriptor not found`` line; every other line is forwarded at once, in order.
+
+    Where it comes from (Mooncake 0.3.13, ``TcpTransport::install`` and ``RdmaTransport::install``):
+    ``initialize`` installs a transport, whose ``allocateLocalSegmentID`` first asks the metadata layer for
+    an existing descriptor of its own segment (``getSegmentDesc(local_server_name)``) so that it can add
+    its protocol to it. In P2P handshake mode that lookup begins by reading the *local* segment, which
+    that very call is about to create, so it logs the ERROR and returns nothing; the transport then creates
+    the descriptor and everything works. It happens inside ``initialize``, before the adapter can call
+    anything, so no call order on our side avoids it. The filter is active only during ``initialize``:
+    the same line at any other time (a real fault) is not touched.
+    """
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr at all: nothing to filter
+        yield
+        return
+    read_fd, write_fd = os.pipe()
+    dropped: list[bytes] = []
+
+    def pump() -> None:
+        with os.fdopen(read_fd, "rb") as lines:
+            for line in lines:
+                if _BENIGN_INIT_ERROR.fullmatch(line):
+                    dropped.append(line)
+                else:
+                    with contextlib.suppress(OSError):
+                        os.write(saved, line)
+
+    thread = threading.Thread(target=pump, name="aiotransfer-mooncake-stderr", daemon=True)
+    thread.start()
+    os.dup2(write_fd, 2)
+    os.close(write_fd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os.dup2(saved, 2)  # closes the pipe's last write end: the pump sees EOF
+        thread.join(5.0)
+        if thread.is_alive():  # a child process inherited the pipe: leave the pump its copy of stderr
+            log.debug("Mooncake stderr filter still draining after initialize")
+        else:
+            os.close(saved)
+        if dropped:
+            log.debug("Mooncake logged its benign start-up line: %s", dropped[0].decode(errors="replace").strip())
+
+
 class _SharedNative:
     """The process-wide native engine, reference counted."""
 
@@ -448,23 +243,23 @@ class _SharedNative:
         """How often the engine re-reads cached peer descriptors (0: never)."""
 
 
-class MooncakeEngine:
+class MooncakeEngine(EngineBase):
     """Mooncake adapter; one native engine per process, shared (see module docstring)."""
 
     name = "mooncake"
-    cheap_submit = True
-    """``transfer_submit_write`` only queues: single entries are submitted inline from the loop."""
-    quiet_threads = True
-    """The transport's threads block while idle (0.5 % CPU for an idle process, measured), so the loop may
-    yield its CPU after a Success (``TransferConfig.yield_after_notify``) without waiting behind them."""
-    entry_cost_s = 30e-6
-    """Measured per-entry cost over TCP, whatever the entry size (drives the staging cost model)."""
-    bandwidth_bps = 2.0e9
-    """Measured TCP loopback throughput of one peer connection."""
+    traits = EngineTraits(cheap_submit=True, quiet_threads=True, entry_cost_s=30e-6, bandwidth_bps=2.0e9)
+    """``cheap_submit``: ``transfer_submit_write`` only queues, so single entries are submitted inline from
+    the loop. ``quiet_threads``: the transport's threads block while idle (0.5 % CPU for an idle process,
+    measured), so the loop may yield its CPU after a Success without waiting behind them. Staging
+    constants: the measured per-entry cost over TCP, whatever the entry size, and the TCP loopback
+    throughput of one peer connection."""
+    probe_region: MemoryRegion
+    """A registered 64-byte scratch region: the source of this engine's handshake writes, and the target
+    of its peers'."""
 
     def __init__(self, config: TransferConfig, *, alias_tcp: bool = False) -> None:
         module = _import_engine_module(config)
-        flags = _build_flags(module)
+        flags = read_build_flags(module)
         setup = select_mooncake_setup(
             config_protocol=config.protocol,
             env=os.environ,
@@ -502,12 +297,13 @@ class MooncakeEngine:
     def _create(
         config: TransferConfig, setup: MooncakeSetup, module: Any, flags: Mapping[str, bool]
     ) -> _SharedNative:
-        applied = {**_LOAD_APPLIED, **_apply_env(config, setup, os.environ)}
+        applied = {**_LOAD_APPLIED, **apply_env(config, setup, os.environ)}
         for note in setup.notes:
             log.warning("Mooncake: %s", note)
         native = module.TransferEngine()
         hostname = setup.local_hostname(config.hostname, _free_port() if setup.npu_id is not None else None)
-        rc = native.initialize(hostname, "P2PHANDSHAKE", setup.protocol, setup.device_name)
+        with _without_benign_init_error():
+            rc = native.initialize(hostname, "P2PHANDSHAKE", setup.protocol, setup.device_name)
         if rc != 0:
             raise EngineError(
                 f"Mooncake initialize({hostname!r}, protocol={setup.protocol!r}, devices={setup.device_name!r}) "

@@ -43,19 +43,18 @@ import os
 import secrets
 import socket
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import numpy as np
-import numpy.typing as npt
 
 from ..config import TransferConfig
 from ..errors import ClosedError, EngineError, EngineUnavailable
 from ..plan import Blocks
-from .base import EngineStatus, MemoryRegion, TransferHandle, WaitMode
+from ._common import AgentEngine, RegionIndex, block_arrays, map_errors, quietly, vendor_error
+from .base import EngineStatus, EngineTraits, MemoryRegion, TransferHandle, WaitMode
 
 __all__ = ["MoriEngine"]
 
@@ -67,7 +66,6 @@ _INSTALL_HINT = (
     "libraries and a ROCm build of torch"
 )
 _INFO_VERSION = 1
-_WAIT_SLEEP_MAX = 0.001
 _PARKED: list[tuple[Any, list[Any]]] = []
 """(engine, statuses) still written by MORI after close(): kept for the life of the process."""
 
@@ -79,34 +77,10 @@ def _import_io() -> Any:
         raise EngineUnavailable(f"MORI-IO cannot be loaded ({exc}); {_INSTALL_HINT}") from exc
 
 
-def _mori_error(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
 class _Info(msgspec.Struct, frozen=True, array_like=True):
     version: int
     engine: bytes
     memories: list[bytes]
-
-
-class _Table:
-    """Registered regions sorted by address: absolute address -> (region index, offset), in bulk."""
-
-    def __init__(self, spans: Sequence[tuple[int, int]]) -> None:
-        self.order = sorted(range(len(spans)), key=lambda i: spans[i][0])
-        arr = np.array([spans[i] for i in self.order], dtype=np.uint64).reshape(-1, 2)
-        self.starts = arr[:, 0].copy()
-        self.ends = arr[:, 0] + arr[:, 1]
-        self.index = np.array(self.order, dtype=np.intp)
-
-    def locate(self, addrs: npt.NDArray[np.uint64], what: str) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.uint64]]:
-        pos = np.searchsorted(self.starts, addrs, side="right") - 1
-        inside = pos >= 0
-        inside[inside] = addrs[inside] < self.ends[pos[inside]]
-        if not inside.all():
-            bad = int(addrs[int(np.argmin(inside))])
-            raise EngineError(f"{what} address {bad:#x} is not inside any registered region")
-        return self.index[pos], addrs - self.starts[pos]
 
 
 @dataclass
@@ -114,7 +88,7 @@ class _Peer:
     info: bytes
     desc: Any
     memories: list[Any]
-    table: _Table
+    table: RegionIndex
 
 
 @dataclass
@@ -126,13 +100,11 @@ class _Batch:
     done: list[bool] = field(default_factory=list)
 
 
-class MoriEngine:
+class MoriEngine(AgentEngine):
     """MORI-IO adapter, one ``IOEngine`` per instance (see module docstring)."""
 
     name = "mori"
-    cheap_submit = False
-    entry_cost_s = 5e-6
-    bandwidth_bps = 20.0e9
+    traits = EngineTraits(entry_cost_s=5e-6, bandwidth_bps=20.0e9)
 
     def __init__(self, config: TransferConfig) -> None:
         io = _import_io()
@@ -142,16 +114,14 @@ class MoriEngine:
             io.set_log_level(config.engine_log_level.lower())
         except Exception as exc:
             log.debug("MORI set_log_level(%r) failed: %s", config.engine_log_level, exc)
-        try:
+        with map_errors("MORI-IO engine setup failed"):
             engine = io.IOEngine(self._key, io.IOEngineConfig(host=config.hostname, port=0))
             engine.create_backend(io.BackendType.RDMA, io.RdmaBackendConfig())
-        except Exception as exc:
-            raise EngineError(f"MORI-IO engine setup failed: {_mori_error(exc)}") from exc
         self._engine: Any = engine
         self._lock = threading.Lock()
         self._regions: dict[MemoryRegion, tuple[Any, int]] = {}  # region -> (MemoryDesc, refcount)
         self._local_mds: list[Any] = []
-        self._local = _Table([])
+        self._local = RegionIndex([])
         self._peers: dict[str, _Peer] = {}
         self._live: set[TransferHandle] = set()
         self._closed = False
@@ -181,10 +151,6 @@ class MoriEngine:
             "in_flight": len(self._live),
         }
 
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else f"peers={len(self._peers)} in_flight={len(self._live)}"
-        return f"<MoriEngine {self._key} {self._transport} {state}>"
-
     def _check_open(self) -> Any:
         if self._closed:
             raise ClosedError("MORI engine is closed")
@@ -193,11 +159,9 @@ class MoriEngine:
     def local_info(self) -> bytes:
         with self._lock:
             engine = self._check_open()
-            try:
+            with map_errors("MORI descriptor packing failed"):
                 info = _Info(_INFO_VERSION, bytes(engine.get_engine_desc().pack()),
                              [bytes(md.pack()) for md in self._local_mds])
-            except Exception as exc:
-                raise EngineError(f"MORI descriptor packing failed: {_mori_error(exc)}") from exc
         return msgspec.msgpack.encode(info)
 
     # -- memory --------------------------------------------------------------------------------
@@ -217,12 +181,8 @@ class MoriEngine:
                     loc, dev = io.MemoryLocationType.GPU, int(index or 0)
                 else:
                     raise EngineError(f"MORI adapter cannot register device {r.device!r}: expected 'cpu' or 'cuda:N'")
-                try:
+                with map_errors(f"MORI register_memory({r.ptr:#x}, {r.nbytes}, {r.device}) failed"):
                     md = engine.register_memory(r.ptr, r.nbytes, dev, loc)
-                except Exception as exc:
-                    raise EngineError(
-                        f"MORI register_memory({r.ptr:#x}, {r.nbytes}, {r.device}) failed: {_mori_error(exc)}"
-                    ) from exc
                 self._regions[r] = (md, 1)
             self._rebuild_local()
 
@@ -238,19 +198,12 @@ class MoriEngine:
                     self._regions[r] = (held[0], held[1] - 1)
                     continue
                 del self._regions[r]
-                self._quietly(f"deregister_memory({r.ptr:#x})", self._engine.deregister_memory, held[0])
+                quietly(log, f"MORI deregister_memory({r.ptr:#x})", self._engine.deregister_memory, held[0])
             self._rebuild_local()
 
     def _rebuild_local(self) -> None:
         self._local_mds = [md for md, _count in self._regions.values()]
-        self._local = _Table([(r.ptr, r.nbytes) for r in self._regions])
-
-    @staticmethod
-    def _quietly(what: str, fn: Any, *args: Any) -> None:
-        try:
-            fn(*args)
-        except Exception as exc:
-            log.warning("MORI %s failed: %s", what, _mori_error(exc))
+        self._local = RegionIndex([(r.ptr, r.nbytes) for r in self._regions])
 
     # -- peers ---------------------------------------------------------------------------------
     def connect(self, peer: str, peer_info: bytes, probe_addr: int) -> None:
@@ -258,12 +211,10 @@ class MoriEngine:
         io = self._io
         if not peer_info:
             raise EngineError(f"no MORI engine info from peer {peer} (is the peer running a MORI engine?)")
-        try:
+        with map_errors(f"malformed MORI peer info from {peer}"):
             info = msgspec.msgpack.decode(peer_info, type=_Info)
             desc = io.EngineDesc.unpack(info.engine)
             memories = [io.MemoryDesc.unpack(m) for m in info.memories]
-        except Exception as exc:
-            raise EngineError(f"malformed MORI peer info from {peer}: {_mori_error(exc)}") from exc
         if info.version != _INFO_VERSION:
             raise EngineError(f"MORI peer info version {info.version} from {peer}; expected {_INFO_VERSION}")
         if desc.key != peer or any(md.engine_key != peer for md in memories):
@@ -274,19 +225,18 @@ class MoriEngine:
             if known is not None and known.info == peer_info:
                 return
             if known is not None:
-                self._quietly(f"deregister_remote_engine({peer})", engine.deregister_remote_engine, known.desc)
-            try:
+                quietly(log, f"MORI deregister_remote_engine({peer})", engine.deregister_remote_engine, known.desc)
+            with map_errors(f"MORI register_remote_engine({peer}) failed"):
                 engine.register_remote_engine(desc)
-            except Exception as exc:
-                raise EngineError(f"MORI register_remote_engine({peer}) failed: {_mori_error(exc)}") from exc
-            table = _Table([(int(md.data), int(md.size)) for md in memories])
+            table = RegionIndex([(int(md.data), int(md.size)) for md in memories])
             self._peers[peer] = _Peer(peer_info, desc, memories, table)
 
     def forget_peer(self, peer: str) -> None:
         with self._lock:
             known = self._peers.pop(peer, None)
             if known is not None and not self._closed:
-                self._quietly(f"deregister_remote_engine({peer})", self._engine.deregister_remote_engine, known.desc)
+                quietly(log, f"MORI deregister_remote_engine({peer})", self._engine.deregister_remote_engine,
+                        known.desc)
 
     # -- transfers -----------------------------------------------------------------------------
     def submit_write(self, peer: str, blocks: Blocks) -> TransferHandle:
@@ -298,9 +248,7 @@ class MoriEngine:
             known = self._peers.get(peer)
             if known is None:
                 raise EngineError(f"MORI peer {peer} is not connected")
-            src = np.ascontiguousarray(blocks.src, dtype=np.uint64)
-            dst = np.ascontiguousarray(blocks.dst, dtype=np.uint64)
-            length = np.ascontiguousarray(blocks.length, dtype=np.uint64)
+            src, dst, length = block_arrays(blocks)
             li, loff = self._local.locate(src, "local source")
             ri, roff = known.table.locate(dst, f"destination on {peer}")
             pair = li * len(known.memories) + ri
@@ -316,7 +264,7 @@ class MoriEngine:
                         [lmd], [loff[group].tolist()], [rmd], [roff[group].tolist()], [length[group].tolist()], [uid]
                     )
                 except Exception as exc:
-                    reason = f"MORI batch_write to {peer} failed: {_mori_error(exc)}"
+                    reason = f"MORI batch_write to {peer} failed: {vendor_error(exc)}"
                     if not batch.statuses:
                         raise EngineError(reason) from exc
                     batch.error = reason  # earlier pairs are in flight: report once they finish
@@ -351,7 +299,7 @@ class MoriEngine:
                         batch.done[i] = True
                         errors.append(f"{getattr(code, 'name', code)}: {st.Message()}")
             except Exception as exc:
-                reason = f"MORI status query for {handle.peer} failed: {_mori_error(exc)}"
+                reason = f"MORI status query for {handle.peer} failed: {vendor_error(exc)}"
                 self._live.discard(handle)
                 _PARKED.append((self._engine, list(batch.statuses)))  # MORI may still write them
                 handle.finish(EngineStatus.FAILED, reason)
@@ -365,18 +313,6 @@ class MoriEngine:
             if batch.error is not None:
                 return handle.finish(EngineStatus.FAILED, batch.error)
             return handle.finish(EngineStatus.DONE)
-
-    def wait(self, handle: TransferHandle, timeout: float) -> EngineStatus:
-        """Poll ``check`` with short sleeps (blocking callers only). Returns PENDING after ``timeout``
-        seconds if still in flight (the handle stays live); ``timeout <= 0`` checks once."""
-        deadline = time.monotonic() + timeout
-        pause = 0.00005
-        while (status := self.check(handle)) is EngineStatus.PENDING:
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(pause)
-            pause = min(pause * 2, _WAIT_SLEEP_MAX)
-        return status
 
     # -- teardown ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -398,11 +334,11 @@ class MoriEngine:
                 _PARKED.append((engine, unfinished))
                 return
             for md, _count in self._regions.values():
-                self._quietly("deregister_memory at close", engine.deregister_memory, md)
+                quietly(log, "MORI deregister_memory at close", engine.deregister_memory, md)
             self._regions.clear()
             self._rebuild_local()
             for name, known in self._peers.items():
-                self._quietly(f"deregister_remote_engine({name})", engine.deregister_remote_engine, known.desc)
+                quietly(log, f"MORI deregister_remote_engine({name})", engine.deregister_remote_engine, known.desc)
             self._peers.clear()
 
     def raw(self) -> Any:

@@ -42,14 +42,14 @@ providers, two copies of libnl end up in the process and it segfaults at exit.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import logging
 import os
 import secrets
 import socket
 import threading
-import time
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +60,8 @@ import numpy.typing as npt
 from ..config import TransferConfig
 from ..errors import ClosedError, EngineError, EngineUnavailable
 from ..plan import Blocks
-from .base import EngineStatus, MemoryRegion, TransferHandle, WaitMode
+from ._common import AgentEngine, RegionIndex, block_arrays, map_errors, quietly
+from .base import EngineStatus, EngineTraits, MemoryRegion, TransferHandle, WaitMode
 
 __all__ = ["NixlEngine", "nixl_env_defaults"]
 
@@ -74,7 +75,6 @@ _INSTALL_HINT = (
 )
 _MEM_TYPES = ("DRAM", "VRAM")
 _INFO_VERSION = 1
-_WAIT_SLEEP_MAX = 0.001
 _NIXL_LEVELS = {"WARNING": "WARN", "CRITICAL": "FATAL"}
 
 
@@ -159,21 +159,6 @@ def _create_agent(api: Any, name: str, delay_us: int) -> tuple[Any, int]:
             api.nixlBind = binding
 
 
-def _nixl_error(exc: BaseException) -> str:
-    """``nixlNotFoundError: NIXL_ERR_NOT_FOUND`` from a binding exception."""
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _quietly(what: str, fn: Callable[..., Any], *args: Any) -> bool:
-    """Call a NIXL cleanup function; log (never raise) a failure."""
-    try:
-        fn(*args)
-    except Exception as exc:
-        log.warning("NIXL %s failed: %s", what, _nixl_error(exc))
-        return False
-    return True
-
-
 def _memory_kind(device: str) -> tuple[int, int]:
     """(index into _MEM_TYPES, device id) for a MemoryRegion device string."""
     kind, _, index = device.partition(":")
@@ -185,25 +170,18 @@ def _memory_kind(device: str) -> tuple[int, int]:
 
 
 class _RegionTable:
-    """Sorted registered regions; maps absolute addresses to (kind, device id) in bulk."""
+    """Sorted registered regions (address, size, kind, device id); maps addresses to their row in bulk."""
 
     def __init__(self, rows: Sequence[tuple[int, int, int, int]]) -> None:
         self.rows: list[tuple[int, int, int, int]] = sorted((int(a), int(b), int(c), int(d)) for a, b, c, d in rows)
         arr = np.array(self.rows, dtype=np.uint64).reshape(-1, 4)
-        self.starts = arr[:, 0].copy()
-        self.ends = arr[:, 0] + arr[:, 1]
+        self.index = RegionIndex([(a, n) for a, n, _k, _d in self.rows])
         self.kinds = arr[:, 2].copy()
         self.devs = arr[:, 3].copy()
 
     def locate(self, addrs: npt.NDArray[np.uint64], what: str) -> npt.NDArray[np.intp]:
-        """Index of the region holding each address; raises EngineError naming the first stray one."""
-        idx = np.searchsorted(self.starts, addrs, side="right") - 1
-        inside = idx >= 0
-        inside[inside] = addrs[inside] < self.ends[idx[inside]]
-        if not inside.all():
-            bad = int(addrs[int(np.argmin(inside))])
-            raise EngineError(f"{what} address {bad:#x} is not inside any registered region")
-        return idx
+        """Row of the region holding each address; raises EngineError naming the first stray one."""
+        return self.index.locate(addrs, what)[0]
 
 
 class _PeerInfo(msgspec.Struct, frozen=True, array_like=True):
@@ -229,28 +207,26 @@ class _Xfer:
     done_at_post: bool = False
 
 
-class NixlEngine:
+class NixlEngine(AgentEngine):
     """NIXL adapter with one agent per instance (see module docstring)."""
 
     name = "nixl"
-    cheap_submit = False
-    """``transfer()`` may copy inline over UCX shared memory: submitted from the executor, except small
-    writes that find the agent free (:meth:`try_submit_inline`)."""
+    traits = EngineTraits(entry_cost_s=6e-6, bandwidth_bps=8.0e9)
+    """Not ``cheap_submit``: ``transfer()`` may copy inline over UCX shared memory, so writes are submitted
+    from the executor, except small ones that find the agent free (:meth:`try_submit_inline`). Not
+    ``quiet_threads``: UCX's progress thread polls. Staging constants measured over shared memory (with
+    ``UCX_TLS=tcp``: 12 us and 1.2 GB/s, set per instance)."""
     inline_max_bytes = 64 * 1024
     """Writes up to this size may be posted from the event loop: the inline copy takes ~10-40 us, less than
     the hop to the executor and back (4 KiB end to end over shared memory: see docs/performance.md)."""
     inline_max_entries = 8
-    entry_cost_s = 6e-6
-    bandwidth_bps = 8.0e9
 
     def __init__(self, config: TransferConfig) -> None:
         api = _import_api(config, os.environ)
         self._api = api
         self._agent_name = f"aiotransfer-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
-        try:
+        with map_errors("NIXL agent creation failed"):
             agent, self._progress_delay_us = _create_agent(api, self._agent_name, config.nixl_progress_delay_us)
-        except Exception as exc:
-            raise EngineError(f"NIXL agent creation failed: {_nixl_error(exc)}") from exc
         if "UCX" not in agent.backends:
             raise EngineUnavailable(
                 f"NIXL has no UCX backend here (plugins: {', '.join(agent.get_plugin_list())}); "
@@ -267,7 +243,7 @@ class NixlEngine:
         tls = os.environ.get("UCX_TLS", "").strip()
         self._transport = f"ucx({tls})" if tls else "ucx"
         if tls and "tcp" in tls and not any(t in tls for t in ("shm", "cma", "rc", "dc", "ud")):
-            self.entry_cost_s, self.bandwidth_bps = 12e-6, 1.2e9  # measured with UCX_TLS=tcp
+            self.traits = dataclasses.replace(self.traits, entry_cost_s=12e-6, bandwidth_bps=1.2e9)  # measured
         log.info("NIXL agent up: %s via %s (transport %s)", self._agent_name, api.__name__, self._transport)
 
     # -- identity ------------------------------------------------------------------------------
@@ -293,10 +269,6 @@ class NixlEngine:
             "progress_delay_us": self._progress_delay_us,
         }
 
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else f"peers={len(self._peers)} in_flight={len(self._live)}"
-        return f"<NixlEngine {self._agent_name} {self._transport} {state}>"
-
     def _check_open(self) -> Any:
         if self._closed:
             raise ClosedError("NIXL engine is closed")
@@ -305,10 +277,8 @@ class NixlEngine:
     def local_info(self) -> bytes:
         with self._lock:
             agent = self._check_open()
-            try:
+            with map_errors("NIXL get_agent_metadata failed"):
                 metadata = agent.get_agent_metadata()
-            except Exception as exc:
-                raise EngineError(f"NIXL get_agent_metadata failed: {_nixl_error(exc)}") from exc
             rows = list(self._local.rows)
         return msgspec.msgpack.encode(_PeerInfo(_INFO_VERSION, self._agent_name, bytes(metadata), rows))
 
@@ -322,12 +292,8 @@ class NixlEngine:
                     self._regions[r] = (held[0], held[1] + 1)
                     continue
                 kind, dev = _memory_kind(r.device)
-                try:
+                with map_errors(f"NIXL register_memory({r.ptr:#x}, {r.nbytes}, {r.device}) failed"):
                     descs = agent.register_memory([(r.ptr, r.nbytes, dev, "")], _MEM_TYPES[kind])
-                except Exception as exc:
-                    raise EngineError(
-                        f"NIXL register_memory({r.ptr:#x}, {r.nbytes}, {r.device}) failed: {_nixl_error(exc)}"
-                    ) from exc
                 self._regions[r] = (descs, 1)
             self._rebuild_local()
 
@@ -345,7 +311,7 @@ class NixlEngine:
                     self._regions[r] = (descs, count - 1)
                     continue
                 del self._regions[r]
-                _quietly(f"deregister_memory({r.ptr:#x})", agent.deregister_memory, descs)
+                quietly(log, f"NIXL deregister_memory({r.ptr:#x})", agent.deregister_memory, descs)
             self._rebuild_local()
 
     def _rebuild_local(self) -> None:
@@ -376,19 +342,18 @@ class NixlEngine:
             known = self._peers.get(peer)
             if known is not None and known.info == peer_info:
                 return
-            try:
+            with map_errors(f"NIXL add_remote_agent for {peer} failed"):
                 loaded = agent.add_remote_agent(info.metadata)
-            except Exception as exc:
-                raise EngineError(f"NIXL add_remote_agent for {peer} failed: {_nixl_error(exc)}") from exc
             name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
             if name != peer:
                 self._remove_remote(agent, name)
                 raise EngineError(f"NIXL metadata for {peer!r} describes agent {name!r}")
             try:
-                agent.make_connection(name)
-            except Exception as exc:
+                with map_errors(f"NIXL make_connection to {peer} failed"):
+                    agent.make_connection(name)
+            except EngineError:
                 self._remove_remote(agent, name)
-                raise EngineError(f"NIXL make_connection to {peer} failed: {_nixl_error(exc)}") from exc
+                raise
             self._peers[peer] = _Peer(peer_info, name, _RegionTable(info.regions))
 
     def forget_peer(self, peer: str) -> None:
@@ -399,7 +364,7 @@ class NixlEngine:
 
     @staticmethod
     def _remove_remote(agent: Any, name: str) -> None:
-        _quietly(f"remove_remote_agent({name})", agent.remove_remote_agent, name)
+        quietly(log, f"NIXL remove_remote_agent({name})", agent.remove_remote_agent, name)
 
     # -- transfers -----------------------------------------------------------------------------
     def submit_write(self, peer: str, blocks: Blocks) -> TransferHandle:
@@ -428,27 +393,24 @@ class NixlEngine:
         known = self._peers.get(peer)
         if known is None:
             raise EngineError(f"NIXL peer {peer} is not connected")
-        src = np.ascontiguousarray(blocks.src, dtype=np.uint64)
-        dst = np.ascontiguousarray(blocks.dst, dtype=np.uint64)
-        length = np.ascontiguousarray(blocks.length, dtype=np.uint64)
+        src, dst, length = block_arrays(blocks)
         local_mem, local_descs = _descs(self._local, src, length, "local source")
         remote_mem, remote_descs = _descs(known.table, dst, length, f"destination on {peer}")
-        try:
+        with map_errors(
+            f"NIXL rejected a {n}-entry write to {peer}",
+            hint=" (a descriptor lies outside memory registered on either side, or the peer is unknown)",
+        ):
             lx = agent.get_xfer_descs(local_descs, local_mem)
             rx = agent.get_xfer_descs(remote_descs, remote_mem)
             native = agent.initialize_xfer("WRITE", lx, rx, known.name)
-        except Exception as exc:
-            raise EngineError(
-                f"NIXL rejected a {n}-entry write to {peer}: {_nixl_error(exc)} (a descriptor lies "
-                "outside memory registered on either side, or the peer is unknown)"
-            ) from exc
         xfer = _Xfer(native)
         handle = TransferHandle(token=xfer, mode=WaitMode.POLL, peer=peer, entries=n, nbytes=blocks.nbytes)
         try:
-            state = agent.transfer(native)
-        except Exception as exc:
+            with map_errors(f"NIXL transfer to {peer} failed to post"):
+                state = agent.transfer(native)
+        except EngineError:
             self._release(xfer)
-            raise EngineError(f"NIXL transfer to {peer} failed to post: {_nixl_error(exc)}") from exc
+            raise
         if state == "ERR":
             self._release(xfer)
             raise EngineError(f"NIXL refused to post a {n}-entry write to {peer} (ERR)")
@@ -471,28 +433,16 @@ class NixlEngine:
             if handle.token.done_at_post:
                 return self._terminal(handle, EngineStatus.DONE)
             try:
-                state = self._agent.check_xfer_state(handle.token.native)
-            except Exception as exc:
-                reason = f"NIXL transfer to {handle.peer} failed: {_nixl_error(exc)}"
-                self._terminal(handle, EngineStatus.FAILED, reason)
-                raise EngineError(reason) from exc
+                with map_errors(f"NIXL transfer to {handle.peer} failed"):
+                    state = self._agent.check_xfer_state(handle.token.native)
+            except EngineError as exc:
+                self._terminal(handle, EngineStatus.FAILED, str(exc))
+                raise
             if state == "PROC":
                 return EngineStatus.PENDING
             if state == "DONE":
                 return self._terminal(handle, EngineStatus.DONE)
             return self._terminal(handle, EngineStatus.FAILED, f"NIXL transfer to {handle.peer} reported {state}")
-
-    def wait(self, handle: TransferHandle, timeout: float) -> EngineStatus:
-        """Poll ``check`` with short sleeps (blocking callers only). Returns PENDING after ``timeout``
-        seconds if still in flight (the handle stays live); ``timeout <= 0`` checks once."""
-        deadline = time.monotonic() + timeout
-        pause = 0.00005
-        while (status := self.check(handle)) is EngineStatus.PENDING:
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(pause)
-            pause = min(pause * 2, _WAIT_SLEEP_MAX)
-        return status
 
     def _terminal(self, handle: TransferHandle, status: EngineStatus, error: str | None = None) -> EngineStatus:
         """Under the lock: release the native handle, then consume the TransferHandle."""
@@ -503,7 +453,7 @@ class NixlEngine:
     def _release(self, xfer: _Xfer) -> None:
         if xfer.released:
             return
-        if not _quietly("release_xfer_handle (kept for close)", self._agent.release_xfer_handle, xfer.native):
+        if not quietly(log, "NIXL release_xfer_handle (kept for close)", self._agent.release_xfer_handle, xfer.native):
             self._unreleased.append(xfer.native)
         xfer.released = True
 
@@ -517,14 +467,15 @@ class NixlEngine:
             for handle in list(self._live):
                 self._terminal(handle, EngineStatus.FAILED, "NIXL engine closed before the transfer completed")
             for descs, _count in self._regions.values():
-                _quietly("deregister_memory at close", agent.deregister_memory, descs)
+                quietly(log, "NIXL deregister_memory at close", agent.deregister_memory, descs)
             self._regions.clear()
             self._local = _RegionTable([])
             for known in self._peers.values():
                 self._remove_remote(agent, known.name)
             self._peers.clear()
             self._unreleased = [
-                h for h in self._unreleased if not _quietly("release_xfer_handle at close", agent.release_xfer_handle, h)
+                h for h in self._unreleased
+                if not quietly(log, "NIXL release_xfer_handle at close", agent.release_xfer_handle, h)
             ]
             if self._unreleased:
                 log.error("%d NIXL xfer handles could not be released; they leak with the agent", len(self._unreleased))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -45,4 +46,22 @@ def create_engine(config: TransferConfig) -> TransferEngine:
         module_name, _, attr = target.partition(":")
         target = getattr(importlib.import_module(module_name), attr)
     engine: TransferEngine = target(config)
+    _check_contract(config.engine, engine)
     return engine
+
+
+_OPTIONAL_MEMBERS = ("traits", "probe_region", "credit_scope", "try_submit_inline")
+"""Protocol members with defaults in ``EngineBase``: an adapter written before they existed lacks them."""
+
+
+def _check_contract(name: str, engine: Any) -> None:
+    """Refuse, with the fix, an engine that lacks members the core reads (it would fail mid-transfer)."""
+    missing = [m for m in _OPTIONAL_MEMBERS if not hasattr(engine, m)]
+    if not missing:
+        return
+    with contextlib.suppress(Exception):
+        engine.close()
+    raise ConfigError(
+        f"engine {name!r} ({type(engine).__qualname__}) lacks {', '.join(missing)}: inherit "
+        "aiotransfer.engines.base.EngineBase for their defaults, or declare them (docs: Writing an engine)"
+    )

@@ -1,0 +1,158 @@
+"""What the agent-style adapters (NIXL, MORI) share, and the one place vendor exceptions are mapped.
+
+* :func:`map_errors`         -- a context manager turning a vendor exception into :class:`EngineError`
+                                (or a subclass) chained ``from`` it, as httpcore's ``map_exceptions`` does
+* :func:`vendor_error`       -- ``"nixlNotFoundError: NIXL_ERR_NOT_FOUND"`` from a vendor exception
+* :func:`quietly`            -- call a cleanup function, log (never raise) its failure
+* :class:`RegionIndex`       -- registered regions by address: absolute address -> (region, offset), in bulk
+* :func:`block_arrays`       -- a :class:`~aiotransfer.plan.Blocks` batch as contiguous ``uint64`` arrays
+* :class:`AgentEngine`       -- base of adapters with one native agent, a lock, peers and live handles:
+                                ``__repr__`` and the polling ``wait`` of blocking callers
+
+Nothing here imports a vendor package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import AiotransferError, EngineError
+from ..plan import Blocks
+from .base import EngineBase, EngineStatus, TransferHandle
+
+__all__ = [
+    "AgentEngine",
+    "RegionIndex",
+    "block_arrays",
+    "map_errors",
+    "quietly",
+    "vendor_error",
+]
+
+_WAIT_SLEEP_MIN = 0.00005
+_WAIT_SLEEP_MAX = 0.001
+_DEFAULT_MAP: Mapping[type[Exception], type[AiotransferError]] = {Exception: EngineError}
+
+
+def vendor_error(exc: BaseException) -> str:
+    """``TypeName: message`` of a vendor exception (bindings often raise bare codes as messages)."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+@contextlib.contextmanager
+def map_errors(
+    what: str, *, hint: str = "", mapping: Mapping[type[Exception], type[AiotransferError]] = _DEFAULT_MAP
+) -> Iterator[None]:
+    """Raise ``Mapped(f"{what}: {vendor_error(exc)}{hint}")`` from a vendor exception raised in the block.
+
+    ``mapping`` goes from vendor exception types to aiotransfer's (first match wins; default: any
+    ``Exception`` to :class:`EngineError`). aiotransfer's own errors, and exceptions no entry matches,
+    pass through unchanged; ``BaseException`` (cancellation, interrupts) is never mapped.
+    """
+    try:
+        yield
+    except AiotransferError:
+        raise
+    except Exception as exc:
+        for vendor, ours in mapping.items():
+            if isinstance(exc, vendor):
+                raise ours(f"{what}: {vendor_error(exc)}{hint}") from exc
+        raise
+
+
+def quietly(log: logging.Logger, what: str, fn: Callable[..., Any], *args: Any) -> bool:
+    """Call a cleanup function; log a failure as ``"<what> failed: ..."`` (never raise). True if it worked."""
+    try:
+        fn(*args)
+    except Exception as exc:
+        log.warning("%s failed: %s", what, vendor_error(exc))
+        return False
+    return True
+
+
+def block_arrays(
+    blocks: Blocks,
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+    """(src, dst, length) as contiguous ``uint64`` arrays, the form descriptor building needs."""
+    return (
+        np.ascontiguousarray(blocks.src, dtype=np.uint64),
+        np.ascontiguousarray(blocks.dst, dtype=np.uint64),
+        np.ascontiguousarray(blocks.length, dtype=np.uint64),
+    )
+
+
+class RegionIndex:
+    """Regions (start, nbytes) sorted by address; maps absolute addresses to (region, offset) in bulk.
+
+    Region numbers are positions in the sequence given to the constructor, whatever its order.
+    """
+
+    def __init__(self, spans: Sequence[tuple[int, int]]) -> None:
+        order = sorted(range(len(spans)), key=lambda i: spans[i][0])
+        arr = np.array([spans[i] for i in order], dtype=np.uint64).reshape(-1, 2)
+        self.starts = arr[:, 0].copy()
+        self.ends = arr[:, 0] + arr[:, 1]
+        self.index = np.array(order, dtype=np.intp)
+
+    def __len__(self) -> int:
+        return int(self.index.size)
+
+    def locate(
+        self, addrs: npt.NDArray[np.uint64], what: str
+    ) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.uint64]]:
+        """(region number, offset inside it) of each address; raises EngineError naming the first stray one."""
+        pos = np.searchsorted(self.starts, addrs, side="right") - 1
+        inside = pos >= 0
+        inside[inside] = addrs[inside] < self.ends[pos[inside]]
+        if not inside.all():
+            bad = int(addrs[int(np.argmin(inside))])
+            raise EngineError(f"{what} address {bad:#x} is not inside any registered region")
+        return self.index[pos], addrs - self.starts[pos]
+
+
+class AgentEngine(EngineBase):
+    """Base of adapters with one native agent per instance, serialised by one lock (NIXL, MORI).
+
+    Subclasses set ``_closed``, ``_peers`` and ``_live`` in ``__init__`` and provide ``session_id``,
+    ``transport`` and a non-blocking ``check``.
+    """
+
+    _lock: threading.Lock
+    _closed: bool
+    _peers: dict[str, Any]
+    _live: set[TransferHandle]
+
+    @property
+    def session_id(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def transport(self) -> str:
+        raise NotImplementedError
+
+    def check(self, handle: TransferHandle) -> EngineStatus:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"peers={len(self._peers)} in_flight={len(self._live)}"
+        return f"<{type(self).__name__} {self.session_id} {self.transport} {state}>"
+
+    def wait(self, handle: TransferHandle, timeout: float) -> EngineStatus:
+        """Poll ``check`` with short sleeps (blocking callers only). Returns PENDING after ``timeout``
+        seconds if still in flight (the handle stays live); ``timeout <= 0`` checks once."""
+        deadline = time.monotonic() + timeout
+        pause = _WAIT_SLEEP_MIN
+        while (status := self.check(handle)) is EngineStatus.PENDING:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(pause)
+            pause = min(pause * 2, _WAIT_SLEEP_MAX)
+        return status

@@ -1,0 +1,249 @@
+"""The engine layer's shared pieces: traits and their defaults, vendor-error mapping, the region index,
+Mooncake's wheel choice and its start-up log filter."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pytest
+
+from aiotransfer.config import TransferConfig
+from aiotransfer.engines import mooncake as mc
+from aiotransfer.engines._common import RegionIndex, map_errors, quietly
+from aiotransfer.engines.base import EngineBase, EngineTraits, TransferEngine
+from aiotransfer.engines.mooncake_setup import recommended_wheels
+from aiotransfer.errors import ClosedError, ConfigError, EngineError, EngineUnavailable
+from tests import fake_mori
+
+ROOT = Path(__file__).resolve().parent.parent
+
+if TYPE_CHECKING:
+    from aiotransfer.engines.mori import MoriEngine
+    from aiotransfer.engines.nixl import NixlEngine
+
+    def _adapters_satisfy_the_protocol(a: mc.MooncakeEngine, b: NixlEngine, c: MoriEngine) -> list[TransferEngine]:
+        return [a, b, c]  # checked by mypy, structurally
+
+
+# -- traits ------------------------------------------------------------------------------------------
+
+
+def test_trait_defaults_live_in_one_place() -> None:
+    assert EngineTraits() == EngineTraits(
+        cheap_submit=False, quiet_threads=False, entry_cost_s=30e-6, bandwidth_bps=2e9
+    )
+    base = EngineBase()
+    assert base.traits == EngineTraits() and base.probe_region is None
+    assert base.credit_scope is base
+    assert base.try_submit_inline("peer", None) is None  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        EngineTraits(bandwidth_bps=0)
+    with pytest.raises(AttributeError):
+        EngineTraits().cheap_submit = True  # type: ignore[misc]
+
+
+def test_adapters_declare_their_traits() -> None:
+    from aiotransfer.engines.mori import MoriEngine
+    from aiotransfer.engines.nixl import NixlEngine
+
+    assert mc.MooncakeEngine.traits == EngineTraits(cheap_submit=True, quiet_threads=True)
+    assert (NixlEngine.traits.cheap_submit, NixlEngine.traits.quiet_threads) == (False, False)
+    assert NixlEngine.traits.entry_cost_s < mc.MooncakeEngine.traits.entry_cost_s
+    assert MoriEngine.traits == EngineTraits(entry_cost_s=5e-6, bandwidth_bps=20e9)
+
+
+def test_flat_trait_names_read_the_traits() -> None:
+    """Transitional: ``engine.quiet_threads`` etc. answer what ``engine.traits`` says."""
+
+    class Quiet(EngineBase):
+        traits = EngineTraits(quiet_threads=True, entry_cost_s=1e-6, bandwidth_bps=5e9)
+
+    engine = Quiet()
+    assert (engine.cheap_submit, engine.quiet_threads, engine.entry_cost_s, engine.bandwidth_bps) == (
+        False, True, 1e-6, 5e9
+    )
+
+
+def test_mori_over_the_fake_satisfies_the_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_mori.install(monkeypatch.setitem)
+    from aiotransfer.engines.mori import MoriEngine
+
+    engine = MoriEngine(TransferConfig(engine="mori"))
+    try:
+        assert isinstance(engine, TransferEngine)
+        assert engine.credit_scope is engine and engine.probe_region is None
+        assert repr(engine) == f"<MoriEngine {engine.session_id} rdma peers=0 in_flight=0>"
+    finally:
+        engine.close()
+    assert repr(engine).endswith(" closed>")
+    with pytest.raises(ClosedError, match="MORI engine is closed"):
+        engine.local_info()
+
+
+def test_registry_refuses_an_engine_without_the_optional_members() -> None:
+    from aiotransfer.engines import registry
+
+    closed: list[bool] = []
+
+    class Old:
+        """An adapter written before traits existed."""
+
+        name = "old"
+        cheap_submit = True
+
+        def close(self) -> None:
+            closed.append(True)
+
+    registry.register_engine("old-style", lambda config: Old())
+    registry.register_engine("new-style", lambda config: EngineBase())
+    try:
+        with pytest.raises(ConfigError, match=r"lacks traits, probe_region, credit_scope, try_submit_inline: inherit"):
+            registry.create_engine(TransferConfig(engine="old-style"))
+        assert closed == [True]
+        assert isinstance(registry.create_engine(TransferConfig(engine="new-style")), EngineBase)
+    finally:
+        registry._ENGINES.pop("old-style", None)
+        registry._ENGINES.pop("new-style", None)
+
+
+# -- vendor errors -------------------------------------------------------------------------------------
+
+
+class VendorError(RuntimeError):
+    pass
+
+
+def test_map_errors_chains_a_vendor_exception() -> None:
+    cause = VendorError("NIXL_ERR_NOT_FOUND")
+    with pytest.raises(EngineError) as info, map_errors("NIXL thing failed", hint=" (try again)"):
+        raise cause
+    assert str(info.value) == "NIXL thing failed: VendorError: NIXL_ERR_NOT_FOUND (try again)"
+    assert info.value.__cause__ is cause
+
+
+def test_map_errors_lets_ours_and_unmapped_ones_through() -> None:
+    ours = ClosedError("closed")
+    with pytest.raises(ClosedError) as info, map_errors("x"):
+        raise ours
+    assert info.value is ours
+    with pytest.raises(KeyboardInterrupt), map_errors("x"):
+        raise KeyboardInterrupt
+    with pytest.raises(ValueError), map_errors("x", mapping={OSError: EngineUnavailable}):
+        raise ValueError("not a vendor failure")
+    with pytest.raises(EngineUnavailable, match="load failed: FileNotFoundError"), map_errors(
+        "load failed", mapping={OSError: EngineUnavailable, Exception: EngineError}
+    ):
+        raise FileNotFoundError("libamdhip64.so.7")
+
+
+def test_quietly_logs_and_reports(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    log = logging.getLogger("test.quietly")
+
+    def boom(x: int) -> None:
+        raise VendorError(f"bad {x}")
+
+    assert quietly(log, "NIXL release", lambda: None) is True
+    with caplog.at_level(logging.WARNING, "test.quietly"):
+        assert quietly(log, "NIXL release", boom, 3) is False
+    assert "NIXL release failed: VendorError: bad 3" in caplog.text
+
+
+# -- region index ----------------------------------------------------------------------------------------
+
+
+def test_region_index_numbers_regions_as_given() -> None:
+    index = RegionIndex([(5000, 100), (1000, 50), (3000, 10)])
+    assert len(index) == 3
+    regions, offsets = index.locate(np.array([1000, 1049, 3009, 5000, 5099], np.uint64), "source")
+    assert regions.tolist() == [1, 1, 2, 0, 0]
+    assert offsets.tolist() == [0, 49, 9, 0, 99]
+    for stray in (999, 1050, 3010, 5100):
+        with pytest.raises(EngineError, match=f"source address {stray:#x} is not inside"):
+            index.locate(np.array([1000, stray], np.uint64), "source")
+    with pytest.raises(EngineError):
+        RegionIndex([]).locate(np.array([1], np.uint64), "x")
+
+
+# -- Mooncake: wheels and start-up log ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cuda", "mooncake", "extra", "nixl", "nixl_extra"),
+    [
+        (None, "mooncake-transfer-engine-non-cuda==0.3.13.post1", "mooncake-cpu", "nixl-cu12", "nixl"),
+        (12, "mooncake-transfer-engine==0.3.13.post1", "mooncake", "nixl-cu12", "nixl"),
+        (13, "mooncake-transfer-engine-cuda13==0.3.14", "mooncake-cuda13", "nixl-cu13", "nixl-cu13"),
+        (14, "mooncake-transfer-engine-cuda13==0.3.14", "mooncake-cuda13", "nixl-cu13", "nixl-cu13"),
+    ],
+)
+def test_recommended_wheels(cuda: int | None, mooncake: str, extra: str, nixl: str, nixl_extra: str) -> None:
+    choice = recommended_wheels(cuda)
+    assert (choice.mooncake, choice.mooncake_extra, choice.nixl, choice.nixl_extra) == (
+        mooncake, extra, nixl, nixl_extra
+    )
+    assert f"aiotransfer[{extra}]" in choice.mooncake_pip
+    assert choice.nixl_no_deps is (cuda is None)
+    if cuda is None:
+        assert choice.nixl_pip == "pip install --no-deps nixl-cu12 numpy"
+
+
+def test_recommended_wheels_extras_exist() -> None:
+    lines = (ROOT / "pyproject.toml").read_text().splitlines()
+    extras = {
+        line.split("=", 1)[0].strip(): line.split("=", 1)[1] for line in lines if " = [" in line and line.endswith("]")
+    }
+    for cuda in (None, 12, 13):
+        choice = recommended_wheels(cuda)
+        assert f'"{choice.mooncake}"' in extras[choice.mooncake_extra]
+        assert f'"{choice.nixl}>=' in extras[choice.nixl_extra]
+
+
+def test_no_wheel_for_old_cuda() -> None:
+    with pytest.raises(ConfigError, match="CUDA 11"):
+        recommended_wheels(11)
+
+
+def test_setup_module_is_pure() -> None:
+    code = ("import sys, aiotransfer.engines.mooncake_setup, aiotransfer.engines.mooncake; "
+            "assert 'mooncake' not in sys.modules and 'mooncake.engine' not in sys.modules; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+BENIGN = b"E1123 22:50:00.856890  4803 transfer_metadata.cpp:1098] Local segment descriptor not found\n"
+
+
+def test_init_filter_drops_only_the_benign_line(capfd: pytest.CaptureFixture[str]) -> None:
+    other = b"E1123 22:50:00.856999  4803 transfer_metadata.cpp:1100] Failed to retrieve segment descriptor\n"
+    with mc._without_benign_init_error():
+        os.write(2, b"W1123 22:50:00.856245  4803 transfer_engine_py.cpp:120] Using default malloc\n")
+        os.write(2, BENIGN)
+        os.write(2, other)
+    os.write(2, BENIGN)  # outside initialize: a real fault, shown
+    err = capfd.readouterr().err
+    assert err.splitlines() == [
+        "W1123 22:50:00.856245  4803 transfer_engine_py.cpp:120] Using default malloc",
+        other.decode().strip(),
+        BENIGN.decode().strip(),
+    ]
+
+
+def test_a_normal_mooncake_start_logs_no_error() -> None:
+    code = ("from aiotransfer.config import TransferConfig; from aiotransfer.engines.mooncake import MooncakeEngine; "
+            "e = MooncakeEngine(TransferConfig(engine='mooncake_tcp')); print(e.session_id); e.close()")
+    env: dict[str, Any] = {**os.environ, "MC_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=60)
+    if out.returncode != 0 and "cannot be loaded" in out.stderr:
+        pytest.skip("Mooncake is not installed here")
+    assert out.returncode == 0, out.stderr
+    assert "Local segment descriptor not found" not in out.stderr
+    assert not [line for line in out.stderr.splitlines() if line.startswith("E")], out.stderr
+    assert "Using default malloc/free for protocol: tcp" in out.stderr  # other lines still pass

@@ -173,7 +173,7 @@ class KVManager:
             await ctx.offload.run(engine.register, self._regions, timeout=cfg.handshake_timeout,
                                   what="memory registration")
             self._registered = True
-            if background and not getattr(engine, "quiet_threads", False):
+            if background and not engine.traits.quiet_threads:
                 # A busy-polling engine thread at idle priority is preempted while it holds the engine's
                 # own lock, and every submit and check of ours then waits behind it (priority inversion).
                 background = False
@@ -185,7 +185,7 @@ class KVManager:
             ctx.poller_or_none = Poller(
                 engine, ctx.offload, max_in_flight=cfg.max_entries_in_flight, max_batch=cfg.max_batch_entries,
                 interval_min=cfg.poll_interval_min, interval_max=cfg.poll_interval_max,
-                inline_submit_max=1 if getattr(engine, "cheap_submit", False) else 0,
+                inline_submit_max=1 if engine.traits.cheap_submit else 0,
             )
             ctx.control_or_none = self._make_control_plane()
             await ctx.control_or_none.start()

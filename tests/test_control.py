@@ -10,8 +10,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from aiotransfer._kv.client import Route
 from aiotransfer import KVArgs, KVManager, KVPoll, TransferConfig, TransferFailed
+from aiotransfer._kv.client import Route
 from aiotransfer.control.messages import (
     PROTOCOL_VERSION,
     Hello,

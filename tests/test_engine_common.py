@@ -57,18 +57,6 @@ def test_adapters_declare_their_traits() -> None:
     assert MoriEngine.traits == EngineTraits(entry_cost_s=5e-6, bandwidth_bps=20e9)
 
 
-def test_flat_trait_names_read_the_traits() -> None:
-    """Transitional: ``engine.quiet_threads`` etc. answer what ``engine.traits`` says."""
-
-    class Quiet(EngineBase):
-        traits = EngineTraits(quiet_threads=True, entry_cost_s=1e-6, bandwidth_bps=5e9)
-
-    engine = Quiet()
-    assert (engine.cheap_submit, engine.quiet_threads, engine.entry_cost_s, engine.bandwidth_bps) == (
-        False, True, 1e-6, 5e9
-    )
-
-
 def test_mori_over_the_fake_satisfies_the_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_mori.install(monkeypatch.setitem)
     from aiotransfer.engines.mori import MoriEngine

@@ -153,7 +153,7 @@ class PrefillClient:
         """This rank's registration: engine session, buffers, geometry, staging arena, a fresh nonce."""
         ctx = self._ctx
         a, engine, arena = ctx.args, ctx.engine, ctx.arena
-        probe = getattr(engine, "probe_region", None)
+        probe = engine.probe_region
         return Hello(
             version=PROTOCOL_VERSION, endpoint=ctx.endpoint, generation=secrets.randbits(62),
             engine=ctx.engine_name, session_id=engine.session_id, engine_info=engine.local_info(),

@@ -177,7 +177,8 @@ class RankContext:
         shm measured 2.3 ms with the yield, 0.68 ms without)."""
         return (
             self.config.yield_after_notify
-            and getattr(self.engine_or_none, "quiet_threads", False)
+            and self.engine_or_none is not None
+            and self.engine_or_none.traits.quiet_threads
             and (self.poller_or_none is None or self.poller_or_none.in_flight == 0)
         )
 

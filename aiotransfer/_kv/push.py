@@ -162,9 +162,9 @@ class Pusher:
         if mode == "always":
             return s_sl, d_sl
         engine = ctx.engine
-        cost = float(getattr(engine, "entry_cost_s", 30e-6))
-        bw = float(getattr(engine, "bandwidth_bps", 2e9))
-        if choose_staging(entries=entries, nbytes=per_page * int(src.size), entry_cost_s=cost, bandwidth_bps=bw):
+        traits = engine.traits
+        if choose_staging(entries=entries, nbytes=per_page * int(src.size), entry_cost_s=traits.entry_cost_s,
+                          bandwidth_bps=traits.bandwidth_bps):
             return s_sl, d_sl
         return None
 

@@ -227,20 +227,3 @@ class EngineBase:
     def try_submit_inline(self, peer: str, blocks: Blocks) -> TransferHandle | None:
         """Default: never inline; every write goes through the executor."""
         return None
-
-    # Transitional read-only aliases of ``traits`` for callers that still probe the flat names.
-    @property
-    def cheap_submit(self) -> bool:
-        return self.traits.cheap_submit
-
-    @property
-    def quiet_threads(self) -> bool:
-        return self.traits.quiet_threads
-
-    @property
-    def entry_cost_s(self) -> float:
-        return self.traits.entry_cost_s
-
-    @property
-    def bandwidth_bps(self) -> float:
-        return self.traits.bandwidth_bps

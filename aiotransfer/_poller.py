@@ -12,7 +12,9 @@
 * Entries in flight are capped per peer (engines reject or stall beyond a queue limit); callers wait for
   credit instead of being rejected.
 * A cancelled or timed-out ``write`` returns promptly, but its handles stay registered until the engine
-  reports a terminal state: the memory they reference stays pinned (see :attr:`Poller.pinned`).
+  reports a terminal state: the memory they reference stays pinned (see :attr:`Poller.pinned`). A caller
+  that must know when that is over passes ``hold``: one hold is taken per submission and per handle, and
+  given back only once the submission returned and the handle is terminal in the engine.
 """
 
 from __future__ import annotations
@@ -25,14 +27,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 from ._offload import Offloader
 from .engines.base import EngineStatus, TransferEngine, TransferHandle, WaitMode
 from .errors import ClosedError, EngineError, TransferTimeout
 from .plan import Blocks, split_blocks
 
-__all__ = ["Poller"]
+__all__ = ["Hold", "Poller"]
+
+Hold: TypeAlias = Callable[[], Callable[[], None]]
+"""Takes one hold on something (a room's pages, an arena slice) and returns the function that gives it back."""
 
 log = logging.getLogger("aiotransfer.poller")
 
@@ -156,6 +161,7 @@ class Poller:
         self._polled: dict[TransferHandle, asyncio.Future[None]] = {}
         self._polled_bytes = 0
         self._on_done: dict[TransferHandle, Callable[[], None]] = {}
+        self._holds: dict[TransferHandle, list[Callable[[], None]]] = {}
         self._blocking: dict[TransferHandle, asyncio.Future[None]] = {}
         self._credits: dict[str, _Credits] = {}
         self._waiters: dict[str, _Waiter] = {}
@@ -179,13 +185,17 @@ class Poller:
         return self.in_flight
 
     async def write(
-        self, peer: str, blocks: Blocks, *, timeout: float | None, on_done: Callable[[], None] | None = None
+        self, peer: str, blocks: Blocks, *, timeout: float | None, on_done: Callable[[], None] | None = None,
+        hold: Hold | None = None,
     ) -> None:
         """Write ``blocks`` to ``peer``; returns when every entry landed, raises on failure/timeout.
 
         ``on_done``: called on the loop the moment the engine reports a write of one handle (at most
         ``max_batch`` entries) done, before this coroutine resumes, and only while it is still waiting (not
         after a timeout or cancellation). It must not raise or block. Ignored for larger writes.
+
+        ``hold``: taken while each submission runs and while each handle is in the engine, and given back
+        once it is over there, whether or not this coroutine still waits (see the module docstring).
         """
         if self._closed:
             raise ClosedError("poller is closed")
@@ -203,12 +213,15 @@ class Poller:
             for piece in split_blocks(blocks, self.max_batch):
                 if not credits.try_acquire(len(piece)):
                     await _bounded(credits.acquire(len(piece)), deadline, loop, "waiting for engine credit")
+                submitting = hold() if hold is not None else None
                 try:
-                    handle = await self._submit(peer, piece, deadline, loop)
+                    handle = await self._submit(peer, piece, deadline, loop, submitting, hold)
                 except BaseException:
                     credits.release(len(piece))
                     raise
-                futures.append(self._track(handle))
+                futures.append(self._track(handle, hold))
+                if submitting is not None:
+                    submitting()
                 if on_done is not None:
                     self._on_done[handle] = on_done
                 failed = next((f for f in futures if f.done() and f.exception() is not None), None)
@@ -259,39 +272,59 @@ class Poller:
             self._task = self._loop.create_task(self._poll_loop(), name="aiotransfer-poller")
 
     async def _submit(
-        self, peer: str, piece: Blocks, deadline: float | None, loop: asyncio.AbstractEventLoop
+        self, peer: str, piece: Blocks, deadline: float | None, loop: asyncio.AbstractEventLoop,
+        submitting: Callable[[], None] | None = None, hold: Hold | None = None,
     ) -> TransferHandle:
-        if len(piece) <= self.inline_submit_max:
-            return self.engine.submit_write(peer, piece)
-        inline = self.engine.try_submit_inline(peer, piece)
+        """The submission's handle. Abandoned (timeout, cancellation) while the submit still runs on its
+        thread: the handle it produces is adopted and polled to completion, and ``submitting`` is given back
+        only after that."""
+        try:
+            if len(piece) <= self.inline_submit_max:
+                return self.engine.submit_write(peer, piece)
+            inline = self.engine.try_submit_inline(peer, piece)
+        except BaseException:
+            if submitting is not None:
+                submitting()  # refused on the spot: nothing was posted
+            raise
         if inline is not None:
             return inline
-        cfut = self.offloader.submit(self.engine.submit_write, peer, piece)
+        try:
+            cfut = self.offloader.submit(self.engine.submit_write, peer, piece)
+        except BaseException:
+            if submitting is not None:
+                submitting()
+            raise
         afut = asyncio.wrap_future(cfut, loop=loop)
         try:
             handle: TransferHandle = await _bounded(asyncio.shield(afut), deadline, loop, "engine submit")
             return handle
         except BaseException:
             # Abandoned: if the submit still produces a handle, adopt it so it is polled to completion.
-            cfut.add_done_callback(lambda f: self._adopt_later(f, loop))
+            cfut.add_done_callback(lambda f: self._adopt_later(f, loop, submitting, hold))
             raise
 
-    def _adopt_later(self, f: concurrent.futures.Future[TransferHandle], loop: asyncio.AbstractEventLoop) -> None:
-        if f.cancelled() or f.exception() is not None:
-            return
-        handle = f.result()
+    def _adopt_later(
+        self, f: concurrent.futures.Future[TransferHandle], loop: asyncio.AbstractEventLoop,
+        submitting: Callable[[], None] | None, hold: Hold | None,
+    ) -> None:
+        handle = None if f.cancelled() or f.exception() is not None else f.result()
 
         def adopt() -> None:
-            self._track(handle).add_done_callback(_swallow)
+            if handle is not None:
+                self._track(handle, hold).add_done_callback(_swallow)
+            if submitting is not None:
+                submitting()  # after the handle took its own hold
 
         try:
             loop.call_soon_threadsafe(adopt)
         except RuntimeError:
             log.warning("event loop closed; abandoned transfer %r left to the engine", handle)
 
-    def _track(self, handle: TransferHandle) -> asyncio.Future[None]:
+    def _track(self, handle: TransferHandle, hold: Hold | None = None) -> asyncio.Future[None]:
         assert self._loop is not None
         fut: asyncio.Future[None] = self._loop.create_future()
+        if hold is not None:
+            self._holds.setdefault(handle, []).append(hold())
         self.pinned_bytes += handle.nbytes
         self._idle.clear()
         if handle.mode is WaitMode.POLL:
@@ -331,6 +364,8 @@ class Poller:
         if credits is not None:
             credits.release(handle.entries)
         on_done = self._on_done.pop(handle, None)
+        for give_back in self._holds.pop(handle, ()):
+            give_back()
         if handle.status is EngineStatus.DONE:
             self.completed += 1
             if not fut.done():

@@ -125,6 +125,11 @@ class TransferConfig:
     peer_timeout: float = 3.0
     """A peer silent this long is declared dead: its rooms fail on this side (the other side does the
     same on its own), it is blacklisted and probed until it answers again."""
+    release_quarantine_s: float | None = None
+    """Decode side: how long a failed room's pages stay out of reach when the prefill can neither
+    acknowledge a drain nor be proven gone (see "Page lifecycle"); after it they are released with a
+    warning and ``stats()['quarantines_expired']``. None: twice the engine's own transfer timeout
+    (``engine_timeout_s``, or 30 s) plus ``peer_timeout``."""
     checksum: bool = False
     """End-to-end CRC32 of every transferred byte, verified by decode before it reports Success."""
     staging: str = "auto"
@@ -188,6 +193,8 @@ class TransferConfig:
             raise ConfigError(f"nixl_progress_delay_us must be 0..1000000, got {self.nixl_progress_delay_us!r}")
         if self.staging not in ("auto", "always", "never"):
             raise ConfigError(f"staging must be auto, always or never, got {self.staging!r}")
+        if self.release_quarantine_s is not None:
+            _positive("release_quarantine_s", self.release_quarantine_s)
         if self.staging_bytes < 0:
             raise ConfigError("staging_bytes must be >= 0")
         if not 0 < self.poll_interval_min <= self.poll_interval_max:
@@ -196,6 +203,13 @@ class TransferConfig:
             object.__setattr__(self, "hmac_key", self.hmac_key.encode())
         if not (0 <= self.control_port < 65536):
             raise ConfigError(f"control_port out of range: {self.control_port}")
+
+    @property
+    def quarantine_s(self) -> float:
+        """The release quarantine in effect (``release_quarantine_s`` or its derived default)."""
+        if self.release_quarantine_s is not None:
+            return self.release_quarantine_s
+        return 2.0 * float(self.engine_timeout_s or 30) + self.peer_timeout
 
     def replace(self, **changes: Any) -> TransferConfig:
         """A copy with some fields changed (validated again)."""

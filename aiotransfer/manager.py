@@ -18,6 +18,7 @@ from ._kv.client import PrefillClient
 from ._kv.context import RankContext
 from ._kv.decode import DecodeSide
 from ._kv.leader import BootstrapLeader
+from ._kv.lifecycle import Lifecycle
 from ._kv.notify import Notifier
 from ._kv.prefill import PrefillSide
 from ._kv.push import Pusher, TransferPlan
@@ -32,6 +33,7 @@ from .control.messages import (
     PROTOCOL_VERSION,
     Abort,
     AuxData,
+    Drained,
     Hello,
     HelloAck,
     Message,
@@ -99,10 +101,11 @@ class KVManager:
         self._receivers: dict[int, KVReceiver] = {}
         self._pusher = Pusher(ctx)
         self._notifier = Notifier(ctx, self._pusher)
-        self._prefill = PrefillSide(ctx, self._senders, self._notifier, self._fail_rooms_with)
-        self._client = PrefillClient(ctx)
-        self._decode = DecodeSide(ctx, self._receivers)
         self._grantor = StagingGrantor(ctx, self._receivers.get)
+        self._life = Lifecycle(ctx, self._grantor)
+        self._prefill = PrefillSide(ctx, self._senders, self._life.tx, self._notifier, self._fail_rooms_with)
+        self._client = PrefillClient(ctx)
+        self._decode = DecodeSide(ctx, self._receivers, self._life.rx)
         self._leader = BootstrapLeader(ctx)
         p, c, d = self._prefill, self._client, self._decode
         self._handlers: dict[type[Any], Callable[[Any], None]] = {
@@ -111,7 +114,7 @@ class KVManager:
             Status: d.on_status, AuxData: d.on_aux,
             TopologyQuery: self._leader.on_query, Topology: c.on_topology, RankRegister: self._leader.on_register,
             StageGrant: self._pusher.staging.on_answer, StagedAck: self._pusher.staging.on_answer,
-            StageRequest: self._grantor.on_request, Staged: self._grantor.on_staged,
+            StageRequest: self._grantor.on_request, Staged: self._grantor.on_staged, Drained: d.on_drained,
         }
         if self.config.checksum and ctx.kv_views is None:
             raise InvalidArgument("checksum=True needs host-memory KV buffers")
@@ -191,6 +194,7 @@ class KVManager:
             await ctx.control_or_none.start()
             self._leader.add_self()
             self._liveness.start()
+            ctx.spawn(self._life.prove_gone(), "prove-gone")
             if cfg.lag_probe_interval > 0:
                 ctx.spawn(upkeep.probe_loop_lag(ctx, cfg.lag_probe_interval), "lag-probe")
             if background:
@@ -284,6 +288,7 @@ class KVManager:
             "open_sockets": c.open_sockets if c else 0,
             "dead_peers": len(self._liveness.dead),
             "staging_bytes_in_use": arena.in_use if arena is not None else 0,
+            **self._life.stats(sum(b.item_len for b in self.args.kv)),
             **dict(ctx.counters),
             **ctx.metrics.snapshot(),
         }
@@ -312,7 +317,7 @@ class KVManager:
         self._ctx.check_open()
         room = self._check_room(room)
         self._check_capacity(room, self._senders, "sender")
-        tx = KVSender(self._ctx, room, self._pusher, self._notifier, self._on_terminal)
+        tx = KVSender(self._ctx, room, self._pusher, self._notifier, self._on_terminal, self._on_released)
         self._senders[room] = tx
         self._prefill.opened(tx)
         return tx
@@ -328,7 +333,8 @@ class KVManager:
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         self._check_capacity(room, self._receivers, "receiver")
-        rx = KVReceiver(self._ctx, room, endpoint, prefill_dp_rank, self._client, self._notifier, self._on_terminal)
+        rx = KVReceiver(self._ctx, room, endpoint, prefill_dp_rank, self._client, self._notifier, self._on_terminal,
+                        self._on_released)
         self._receivers[room] = rx
         return rx
 
@@ -356,6 +362,7 @@ class KVManager:
         rooms: dict[int, Any] = self._senders if prefill else self._receivers
         if rooms.get(side.room) is side:
             del rooms[side.room]
+        self._life.ended(side)
         role = "prefill" if prefill else "decode"
         if status is KVPoll.Failed:
             self.metrics.failure(side.failure_reason or "failed")
@@ -363,6 +370,9 @@ class KVManager:
                      extra={"room": side.room, "role": role})
         self.metrics.observe("room_tx" if prefill else "room_rx", time.monotonic() - side.created)
         self.counters[f"rooms_{'sent' if prefill else 'received'}_{status.name.lower()}"] += 1
+
+    def _on_released(self, side: RoomSide, cause: str) -> None:
+        self._life.released(side, cause)
 
     # -- liveness ------------------------------------------------------------------------------
     def _active_peers(self) -> set[str]:
@@ -403,6 +413,7 @@ class KVManager:
         self.counters["peer_restarts"] += 1
         self._fail_rooms_with(endpoint, f"peer {endpoint} restarted; its earlier state is gone")
         self._client.forget(endpoint)
+        self._life.peer_gone(endpoint, "peer-restarted")  # its old process, and what it posted, is gone
 
     # -- inbound control messages -------------------------------------------------------------
     def _dispatch(self, msg: Message) -> None:
@@ -429,3 +440,4 @@ class KVManager:
             return
         if not self._decode.on_abort(msg):
             self._ctx.drop("unknown-room", f"abort for room {msg.room}")
+            self._prefill.drained_now(msg.room, msg.endpoint)  # nothing of that room is in flight here

@@ -12,10 +12,7 @@ from __future__ import annotations
 import bisect
 import re
 from collections import Counter
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .manager import KVManager
+from typing import Any, Protocol
 
 __all__ = ["BUCKETS", "Histogram", "PrometheusExporter", "failure_category"]
 
@@ -92,6 +89,15 @@ class Metrics:
         }
 
 
+class _Observed(Protocol):
+    """What the exporter reads: a manager's stats and histograms."""
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
 class PrometheusExporter:
     """Register a collector that reads ``manager.stats()`` at scrape time.
 
@@ -99,7 +105,7 @@ class PrometheusExporter:
     Needs ``pip install aiotransfer[prometheus]``.
     """
 
-    def __init__(self, manager: KVManager, *, registry: Any = None, labels: dict[str, str] | None = None) -> None:
+    def __init__(self, manager: _Observed, *, registry: Any = None, labels: dict[str, str] | None = None) -> None:
         self.manager = manager
         self.registry = registry
         self.labels = dict(labels or {})

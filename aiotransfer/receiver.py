@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -29,8 +30,14 @@ class KVReceiver(RoomSide):
     def __init__(
         self, ctx: RankContext, room: int, peer: str, prefill_dp_rank: int | None, client: PrefillClient,
         notifier: Notifier, on_terminal: Callable[[RoomSide], None] | None = None,
+        on_released: Callable[[RoomSide, str], None] | None = None,
     ) -> None:
-        super().__init__(room, on_terminal)
+        super().__init__(room, on_terminal, on_released)
+        self._asked: set[str] = set()
+        """Prefill ranks a transfer request may have reached (they may write into our pages)."""
+        self._undrained: set[str] = set()
+        self._quarantine: asyncio.TimerHandle | None = None
+        self._aborting = False
         self._ctx = ctx
         self._client = client
         self._notifier = notifier
@@ -105,6 +112,7 @@ class KVReceiver(RoomSide):
         try:
             self._route = await self._client.route(self.room, self.peer, self.prefill_dp_rank, pages, aux_index,
                                                    states, deadline)
+            self._asked.update(self._route.sources)  # before sending: a request on its way may still land
             await self._client.send(self._route, deadline)
         except BaseException as exc:
             self._sent = False
@@ -133,12 +141,76 @@ class KVReceiver(RoomSide):
         if self._status is KVPoll.Failed:
             raise TransferFailed(self._reason or "failed", room=self.room)
 
-    async def abort(self, reason: str = "aborted by the decode side") -> None:
-        """Fail the room here and tell every prefill rank involved."""
+    async def abort(self, reason: str = "aborted by decode") -> None:
+        """Fail the room here and tell every prefill rank that may hold it, whether or not the metadata
+        was delivered (each then stops posting writes for it and acknowledges the drain)."""
         if self._status.is_terminal:
             return
+        reason = reason if reason.startswith("aborted by decode") else f"aborted by decode: {reason or 'no reason given'}"
+        self._aborting = True  # the notice goes out below, awaited, instead of from the status change
         self.update(KVPoll.Failed, reason)
-        await self._notifier.abort(self.room, self.prefill_endpoints, reason)
+        await self._notifier.abort(self.room, self._abort_targets(), reason)
+
+    def _abort_targets(self) -> list[str]:
+        """Every prefill rank that may hold the room: the routed ones, or else the ranks of the cached
+        topology, or else the bootstrap address itself."""
+        if self._route is not None:
+            return self.prefill_endpoints
+        return self._client.known_ranks(self.peer) or [self.peer]
+
+    # -- page lifecycle ---------------------------------------------------------------------------
+    def _changed(self, status: KVPoll) -> None:
+        if status is KVPoll.Success:
+            self._release("success")  # every prefill write landed before its Success
+        elif status is KVPoll.Failed:
+            if not self._asked:
+                self._release("nothing-sent")  # no prefill rank was asked to write here
+                return
+            self._undrained = set(self._asked)
+            ctx = self._ctx
+            self._quarantine = asyncio.get_running_loop().call_later(
+                ctx.config.quarantine_s, self._release, "quarantine"
+            )
+            if ctx.started and not ctx.closed and not self._aborting:  # ask each prefill rank to stop and drain
+                ctx.spawn(self._notifier.abort(self.room, self._abort_targets(), self._reason or "failed"),
+                          "abort")
+
+    def _release(self, cause: str) -> None:
+        if self._quarantine is not None:
+            self._quarantine.cancel()
+        super()._release(cause)
+
+    def on_drained(self, endpoint: str, cause: str = "drained") -> bool:
+        """A prefill rank acknowledged the drain of this room, or was proven gone (``cause``); False when
+        it is not one this room waits for."""
+        if endpoint not in self._undrained:
+            return False
+        self._undrained.discard(endpoint)
+        if not self._undrained:
+            self._release(cause)
+        return True
+
+    @property
+    def awaiting_drain(self) -> list[str]:
+        """Prefill ranks whose drain this failed room still waits for before its pages are released."""
+        return sorted(self._undrained) if not self.is_released() else []
+
+    async def released(self, timeout: float | None = None) -> None:
+        """Wait until this room's pages are safe to reuse: no prefill write of it can land any more.
+
+        After ``Success`` that is at once. After a failure or abort, once every prefill rank asked to
+        write here has acknowledged its drain, or has been proven gone (its process replaced, or its
+        control port refusing connections), or the quarantine (``release_quarantine_s``) elapsed.
+        Raises :class:`TransferTimeout` (default bound: the quarantine plus ``peer_timeout``);
+        :meth:`is_released` is the non-blocking check."""
+        cfg = self._ctx.config
+        deadline = Deadline(cfg.quarantine_s + cfg.peer_timeout if timeout is None else timeout)
+        if not await self._wait_released(deadline.at):
+            raise TransferTimeout(
+                f"room {self.room}: pages not released within {deadline.budget:.3g}s "
+                f"({self._status.name}; waiting for {', '.join(self.awaiting_drain) or 'the room to end'})",
+                room=self.room, peer=self.peer,
+            )
 
     # -- reports from prefill ranks (the manager's decode side calls this) --------------------------
     def on_prefill_status(self, endpoint: str, rank: int, status: KVPoll, reason: str, aux_path: str = "") -> bool:

@@ -13,6 +13,7 @@ import numpy as np
 
 from ._deadline import Deadline
 from ._kv.context import RankContext, annotate, validate_state_indices
+from ._kv.ledger import Ledger
 from ._kv.notify import Notifier
 from ._kv.peers import DecodePeer
 from ._kv.push import Pusher
@@ -49,8 +50,11 @@ class KVSender(RoomSide):
     def __init__(
         self, ctx: RankContext, room: int, pusher: Pusher, notifier: Notifier,
         on_terminal: Callable[[RoomSide], None] | None = None,
+        on_released: Callable[[RoomSide, str], None] | None = None,
     ) -> None:
-        super().__init__(room, on_terminal)
+        super().__init__(room, on_terminal, on_released)
+        self._ledger = Ledger(on_empty=self._maybe_released)
+        """Every engine handle and worker-thread copy that may still touch this room's pages holds it."""
         self._ctx = ctx
         self._pusher = pusher
         self._notifier = notifier
@@ -89,6 +93,38 @@ class KVSender(RoomSide):
                     task.cancel()
         if status.is_terminal:
             self._pusher.forget(self.room)
+            self._maybe_released()
+
+    def _maybe_released(self) -> None:
+        """Released once terminal and nothing holds the ledger; a failed room then tells its decode ranks
+        that it has drained (nothing of it can write into their pages any more)."""
+        if not self._status.is_terminal or self._ledger.held or self.is_released():
+            return
+        if self._status is KVPoll.Failed:
+            self._release("drained")
+            if self._dsts and self._ctx.started and not self._ctx.closed:
+                self._ctx.spawn(self._notifier.drained(self.room, list(self._dsts)), "drained")
+        else:
+            self._release("success")
+
+    @property
+    def engine_holds(self) -> int:
+        """Engine operations and worker-thread copies of this room still pending (they pin its pages)."""
+        return self._ledger.held
+
+    async def released(self, timeout: float | None = None) -> None:
+        """Wait until this room's source pages (and its staging space) are safe to reuse: the room is
+        terminal and every engine handle that read them, and every copy of them on a worker thread, is
+        over. After ``Success`` that is at once; after a failure, abort or cancellation, once the engine
+        reports the room's last handle terminal. Raises :class:`TransferTimeout` (``done_timeout`` by
+        default): the pages then stay out of reach. :meth:`is_released` is the non-blocking check."""
+        deadline = Deadline(self._ctx.config.done_timeout if timeout is None else timeout)
+        if not await self._wait_released(deadline.at):
+            raise TransferTimeout(
+                f"room {self.room}: pages not released within {deadline.budget:.3g}s "
+                f"({self._status.name}, {self._ledger.held} engine operations pending)",
+                room=self.room, peer=self._peer_hint(),
+            )
 
     async def _run_or_fail(self, aw: Any) -> Any:
         """Await ``aw``; it is interrupted if the room fails meanwhile. Any error fails the room on both
@@ -274,7 +310,7 @@ class KVSender(RoomSide):
             on_done = functools.partial(self._conclude_on_completion, real[0].peer)
         coros = [
             self._pusher.write_kv(self.room, d.peer, src, d.kv_indices[start : start + src.size], deadline,
-                                  dst_start=start, on_done=on_done)
+                                  dst_start=start, on_done=on_done, hold=self._ledger.take)
             for d in real
         ]
         if len(coros) == 1:
@@ -356,7 +392,8 @@ class KVSender(RoomSide):
         self.update(KVPoll.Transferring)
         dsts = [d for d in self._real_dsts() if d.request.aux_index >= 0]
         paths = await self._run_or_fail(asyncio.gather(*(
-            self._pusher.send_aux(self.room, d.peer, int(aux_index), d.request.aux_index, deadline)
+            self._pusher.send_aux(self.room, d.peer, int(aux_index), d.request.aux_index, deadline,
+                                  hold=self._ledger.take)
             for d in dsts
         )))
         self.aux_path = paths[0] if paths else None
@@ -394,7 +431,8 @@ class KVSender(RoomSide):
         self.update(KVPoll.Transferring)
         await self._run_or_fail(asyncio.gather(*(
             self._pusher.write_state(self.room, d.peer, kind, np.asarray(idx, dtype=np.int64),
-                                     np.asarray(d.request.state_indices[kind], dtype=np.int64), deadline)
+                                     np.asarray(d.request.state_indices[kind], dtype=np.int64), deadline,
+                                     hold=self._ledger.take)
             for d in self._real_dsts() for kind, idx in local.items()
         )))
         self._state_sent = True
@@ -407,9 +445,11 @@ class KVSender(RoomSide):
         await self._wait_for_status(lambda: self._status.is_terminal, Deadline(t), "a terminal status")
         self._raise_if_failed()
 
-    async def abort(self, reason: str = "aborted by the prefill side") -> None:
-        """Fail the room here and on every decode rank that asked for it."""
-        await self._fail(reason)
+    async def abort(self, reason: str = "aborted by prefill") -> None:
+        """Fail the room here and on every decode rank that asked for it; both sides record the same reason
+        (``aborted by prefill: <reason>``)."""
+        await self._fail(reason if reason.startswith("aborted by prefill") else
+                         f"aborted by prefill: {reason or 'no reason given'}")
 
     # -- failure --------------------------------------------------------------------------------
     async def _fail_from(self, exc: BaseException) -> None:

@@ -62,3 +62,109 @@ except EngineUnavailable as exc:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def _public_modules() -> list[str]:
+    """Every module a user may import: no path part starts with an underscore (tools sit below, in _cli)."""
+    out = []
+    for path in sorted(PKG.rglob("*.py")):
+        parts = path.relative_to(PKG.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if any(p.startswith("_") for p in parts[1:]):
+            continue
+        out.append(".".join(parts))
+    return out
+
+
+def test_every_public_module_declares_what_it_exports() -> None:
+    """As anyio's test_all_attributes: each public module has an ``__all__`` whose names exist, once each,
+    and which lists every public class and function the module defines."""
+    import importlib
+    import inspect
+
+    optional = {"aiotransfer.integrations.vllm"}  # imports vLLM, present only in the vLLM environment
+    for name in _public_modules():
+        if name in optional:
+            continue
+        module = importlib.import_module(name)
+        exported = getattr(module, "__all__", None)
+        assert exported is not None, f"{name} has no __all__"
+        assert len(exported) == len(set(exported)), name
+        for attr in exported:
+            assert hasattr(module, attr), f"{name}.__all__ names {attr!r}, which does not exist"
+        defined = {
+            n for n, v in vars(module).items()
+            if not n.startswith("_") and (inspect.isclass(v) or inspect.isfunction(v)) and v.__module__ == name
+        }
+        assert defined <= set(exported), f"{name} defines but does not export {sorted(defined - set(exported))}"
+
+
+def _module_imports(path: pathlib.Path, name: str) -> set[str]:
+    """aiotransfer modules imported at module level (TYPE_CHECKING blocks included, function bodies not)."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - node.level + 1]
+                    mod = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    mod = node.module or ""
+                if mod.startswith("aiotransfer"):
+                    out.add(mod)
+                    out.update(f"{mod}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                out.update(a.name for a in node.names if a.name.startswith("aiotransfer"))
+            elif isinstance(node, (ast.If, ast.Try)):
+                visit(node.body)
+                visit(node.orelse)
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+
+    visit(tree.body)
+    return out
+
+
+def test_the_package_has_no_import_circle() -> None:
+    modules = {}
+    for path in PKG.rglob("*.py"):
+        parts = path.relative_to(PKG.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    graph = {
+        name: {m for m in _module_imports(path, name) if m in modules and m != name and not name.startswith(m + ".")}
+        for name, path in modules.items()
+    }
+    for deps in graph.values():
+        deps.discard("aiotransfer")  # ``from . import _x`` names a sibling; the root re-exports, it is no step
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def walk(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                raise AssertionError("import circle: " + " -> ".join([*stack[stack.index(nxt):], nxt]))
+            if nxt not in state:
+                walk(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            walk(name)
+
+
+def test_the_core_never_imports_the_tools() -> None:
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG).as_posix()
+        if rel.startswith("_cli/") or rel == "__main__.py":
+            continue
+        imported = _module_imports(path, "aiotransfer." + rel[:-3].replace("/", "."))
+        assert not any(m.startswith("aiotransfer._cli") for m in imported), rel

@@ -362,7 +362,7 @@ async def test_success_leaves_at_completion_and_yields_only_when_idle(
         assert (await decode.call("done", room=31))["status"] == "Success"
         assert (await decode.call("digest", pages=[3]))["digest"] == expected_digest(bufs, [9])
         assert mgr.stats()["success_at_completion"] == 1
-        quiet = getattr(mgr.engine, "quiet_threads", False)  # Mooncake yes; NIXL's UCX threads poll
+        quiet = mgr.engine.traits.quiet_threads  # Mooncake yes; NIXL's UCX threads poll
         assert yields == ([1] if yield_after_notify and quiet else [])
         # A multi-entry last chunk (one engine batch) concludes the same way.
         await decode.call("receiver", room=32, peer=mgr.endpoint, pages=list(range(64, 128)))
@@ -457,11 +457,14 @@ async def test_staged_piece_failing_before_its_write_hands_the_decode_space_back
         stats: dict[str, object] = {}
         for _ in range(100):
             stats = (await decode.call("stats"))["stats"]
-            if stats.get("staging_space_returned") and stats["staging_bytes_in_use"] == 0:
+            if (stats.get("staging_space_returned") or stats.get("staging_space_reclaimed")) \
+                    and stats["staging_bytes_in_use"] == 0:
                 break
             await asyncio.sleep(0.05)
-        # one space per piece that had asked before the failure stopped the others
-        assert int(stats.get("staging_space_returned", 0)) >= 1, stats  # type: ignore[call-overload]
+        # one space per piece that had asked before the failure stopped the others: handed back by the
+        # prefill (an empty piece), or reclaimed by the decode once the failed room drained
+        returned = int(stats.get("staging_space_returned", 0)) + int(stats.get("staging_space_reclaimed", 0))  # type: ignore[call-overload]
+        assert returned >= 1, stats
         assert stats["staging_bytes_in_use"] == 0, stats
         assert mgr.stats()["staging_bytes_in_use"] == 0
 

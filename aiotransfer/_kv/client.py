@@ -70,6 +70,11 @@ class PrefillClient:
             if endpoint in topo.endpoints.values() or key == endpoint:
                 del self.topologies[key]
 
+    def known_ranks(self, peer: str) -> list[str]:
+        """Every prefill rank of the cached topology behind bootstrap address ``peer`` (empty if unknown)."""
+        topo = self.topologies.get(peer)
+        return sorted(set(topo.endpoints.values())) if topo is not None else []
+
     # -- one room -----------------------------------------------------------------------------------
     async def route(
         self, room: int, peer: str, prefill_dp_rank: int | None, pages: np.ndarray, aux_index: int | None,

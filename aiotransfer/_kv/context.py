@@ -148,12 +148,19 @@ class RankContext:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def cancel_tasks(self) -> None:
-        for task in list(self._tasks):
+    async def cancel_tasks(self, timeout: float = 2.0) -> None:
+        """Cancel every background task and wait (bounded) until they have ended."""
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(BaseException):
-                await task
+        if tasks:
+            ended, stuck = await asyncio.wait(tasks, timeout=timeout)
+            for task in ended:
+                if not task.cancelled():
+                    task.exception()  # retrieved: a task that failed while closing is not news
+            for task in stuck:
+                log.warning("background task %s did not end within %.3gs of its cancellation", task.get_name(),
+                            timeout)
 
     def drop(self, cause: str, detail: str) -> None:
         """Count and log a control message we refuse (it never raises into the receive loop)."""

@@ -7,7 +7,7 @@ import ctypes
 import logging
 from collections.abc import Mapping
 
-from ..control.messages import Abort, AuxData, Status
+from ..control.messages import Abort, AuxData, Drained, Status
 from ..integrity import fold, region_crcs
 from ..receiver import KVReceiver
 from ..staging import RowSlice
@@ -20,9 +20,20 @@ log = logging.getLogger("aiotransfer.manager")
 
 
 class DecodeSide:
-    def __init__(self, ctx: RankContext, receivers: Mapping[int, KVReceiver]) -> None:
+    def __init__(
+        self, ctx: RankContext, receivers: Mapping[int, KVReceiver], draining: Mapping[int, KVReceiver]
+    ) -> None:
         self._ctx = ctx
         self._receivers = receivers
+        self._draining = draining
+
+    def on_drained(self, msg: Drained) -> None:
+        """A prefill rank acknowledges that nothing of a failed room can write here any more."""
+        rx = self._receivers.get(msg.room) or self._draining.get(msg.room)
+        if rx is None or not rx.on_drained(msg.endpoint):
+            self._ctx.drop("unexpected-drained", f"room {msg.room} from {msg.endpoint}")
+            return
+        self._ctx.counters["drains_acknowledged"] += 1
 
     def on_status(self, msg: Status) -> None:
         rx = self._receivers.get(msg.room)

@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import Iterable
 
 from .._deadline import Deadline
-from ..control.messages import Abort, Status
+from ..control.messages import Abort, Drained, Status
 from ..errors import AiotransferError
 from ..status import KVPoll
 from .context import RankContext
@@ -62,7 +62,11 @@ class Notifier:
         ctx = self._ctx
         await self._broadcast(endpoints, Abort(room=room, endpoint=ctx.endpoint, reason=reason[:REASON_MAX]))
 
-    async def _broadcast(self, endpoints: Iterable[str], msg: Status | Abort) -> None:
+    async def drained(self, room: int, endpoints: Iterable[str]) -> None:
+        """Tell decode ranks that nothing of this failed room can write into their pages any more."""
+        await self._broadcast(endpoints, Drained(room=room, endpoint=self._ctx.endpoint))
+
+    async def _broadcast(self, endpoints: Iterable[str], msg: Status | Abort | Drained) -> None:
         ctx = self._ctx
         if ctx.control_or_none is None or ctx.closed:
             return

@@ -34,11 +34,12 @@ class PrefillSide:
     """Registrations from decode ranks and their requests, handed to this rank's senders."""
 
     def __init__(
-        self, ctx: RankContext, senders: Mapping[int, KVSender], notifier: Notifier,
-        fail_rooms_with: Callable[[str, str], int],
+        self, ctx: RankContext, senders: Mapping[int, KVSender], draining: Mapping[int, KVSender],
+        notifier: Notifier, fail_rooms_with: Callable[[str, str], int],
     ) -> None:
         self._ctx = ctx
         self._senders = senders
+        self._draining = draining
         self._notifier = notifier
         self._fail_rooms_with = fail_rooms_with
         self.decode_peers: dict[str, DecodePeer] = {}
@@ -211,9 +212,24 @@ class PrefillSide:
 
     # -- aborts from decode -----------------------------------------------------------------------
     def on_abort(self, msg: Abort) -> bool:
-        """A decode rank gave up on a room; False when the abort is not for a room of ours."""
+        """A decode rank gave up on a room (and asks for a drain acknowledgement); False when the abort is
+        not for a room of ours. A room that has not heard from any decode rank yet takes the abort from any
+        decode rank: the abort may come before its request could (a cancelled first contact)."""
         tx = self._senders.get(msg.room)
-        if tx is not None and msg.endpoint in tx.decode_endpoints:
-            tx.update(KVPoll.Failed, f"aborted by decode: {msg.reason}")
+        if tx is not None and (msg.endpoint in tx.decode_endpoints or not tx.decode_endpoints):
+            # stops posting at once; the drain acknowledgement follows when its last handle is terminal
+            tx.update(KVPoll.Failed, _decode_reason(msg.reason))
             return True
-        return self.pending.pop(msg.room) is not None
+        if self.pending.pop(msg.room) is not None:
+            self.drained_now(msg.room, msg.endpoint)  # nothing was posted for a stashed request
+            return True
+        return msg.room in self._draining  # the acknowledgement follows when the room has drained
+
+    def drained_now(self, room: int, endpoint: str) -> None:
+        """Nothing of ``room`` can write into ``endpoint``'s pages from here: say so."""
+        self._ctx.spawn(self._notifier.drained(room, [endpoint]), "drained")
+
+
+def _decode_reason(reason: str) -> str:
+    """The reason a decode abort carries, said the same way on both sides."""
+    return reason if reason.startswith("aborted by decode") else f"aborted by decode: {reason}"

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._deadline import Deadline
+from .._poller import Hold
 from ..args import Buffer
 from ..config import AuxPath
 from ..control.messages import AuxData
@@ -171,16 +172,17 @@ class Pusher:
     # -- writes -----------------------------------------------------------------------------------
     async def write_kv(
         self, room: int, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, deadline: Deadline, *,
-        dst_start: int = 0, on_done: Callable[[], None] | None = None,
+        dst_start: int = 0, on_done: Callable[[], None] | None = None, hold: Hold | None = None,
     ) -> None:
         """Write one chunk to one decode rank. ``on_done`` (direct writes only) runs on the loop as soon as
-        the engine reports the write done, before the awaiting task resumes."""
+        the engine reports the write done, before the awaiting task resumes. ``hold`` is held by everything
+        that may touch the pages (engine handles, worker-thread copies) until it is over."""
         ctx = self._ctx
         pairing = peer.pairing
         runs = pair_runs(src.tolist(), dst.tolist()) if pairing.heads is None and src.size <= _FEW_PAGES else None
         slices = self._staging_slices(peer, src, dst, runs)
         if slices is not None:
-            await self.staging.write(room, peer, src, dst_start, slices, deadline)
+            await self.staging.write(room, peer, src, dst_start, slices, deadline, hold)
         else:
             rows = pairing.rows_per_page if pairing.sliced else 1
             with engine_failures(room, peer.endpoint, "engine transfer"):
@@ -189,14 +191,16 @@ class Pusher:
                                                            what="transfer planning")
                 else:
                     blocks = self._blocks(peer, src, dst, runs)
-                await ctx.poller.write(peer.session_id, blocks, timeout=deadline.remaining(), on_done=on_done)
+                await ctx.poller.write(peer.session_id, blocks, timeout=deadline.remaining(), on_done=on_done,
+                                       hold=hold)
             ctx.counters["kv_bytes_sent"] += blocks.nbytes
             ctx.counters["kv_entries_sent"] += len(blocks)
         if ctx.config.checksum:
-            await self._checksum_add(peer, room, src, deadline)
+            await self._checksum_add(peer, room, src, deadline, hold)
 
     async def write_state(
-        self, room: int, peer: DecodePeer, kind: str, src: np.ndarray, dst: np.ndarray, deadline: Deadline
+        self, room: int, peer: DecodePeer, kind: str, src: np.ndarray, dst: np.ndarray, deadline: Deadline,
+        hold: Hold | None = None,
     ) -> None:
         ctx = self._ctx
         bufs = ctx.args.state[kind]
@@ -207,10 +211,11 @@ class Pusher:
         lens = np.array([b.item_len for b in bufs], dtype=np.uint64)
         blocks = plan_blocks(bases, remote[0], lens, src, dst)
         with engine_failures(room, peer.endpoint, f"{kind} state transfer"):
-            await ctx.poller.write(peer.session_id, blocks, timeout=deadline.remaining())
+            await ctx.poller.write(peer.session_id, blocks, timeout=deadline.remaining(), hold=hold)
         ctx.counters[f"state_{kind}_bytes_sent"] += blocks.nbytes
 
-    async def send_aux(self, room: int, peer: DecodePeer, src_slot: int, dst_slot: int, deadline: Deadline) -> str:
+    async def send_aux(self, room: int, peer: DecodePeer, src_slot: int, dst_slot: int, deadline: Deadline,
+                       hold: Hold | None = None) -> str:
         """Deliver one aux slot to ``peer``; returns the path used (``engine`` or ``tcp``). On ``auto`` the
         engine attempt gets half the time left, so that a fallback to TCP still has the other half."""
         ctx = self._ctx
@@ -221,7 +226,7 @@ class Pusher:
             try:
                 t0 = time.monotonic()
                 budget = deadline.remaining() / 2 if fallback else deadline.remaining()
-                await ctx.poller.write(peer.session_id, blocks, timeout=budget)
+                await ctx.poller.write(peer.session_id, blocks, timeout=budget, hold=hold)
                 ctx.metrics.observe("aux_engine", time.monotonic() - t0)
                 ctx.counters["aux_engine"] += 1
                 log.debug("room %d: aux slot %d -> %s slot %d via engine", room, src_slot, peer.endpoint, dst_slot)
@@ -253,7 +258,8 @@ class Pusher:
         return "tcp"
 
     # -- checksums (prefill half) -----------------------------------------------------------------
-    async def _checksum_add(self, peer: DecodePeer, room: int, src: np.ndarray, deadline: Deadline) -> None:
+    async def _checksum_add(self, peer: DecodePeer, room: int, src: np.ndarray, deadline: Deadline,
+                            hold: Hold | None) -> None:
         ctx = self._ctx
         assert ctx.kv_views is not None
         key = (room, peer.endpoint)
@@ -263,7 +269,8 @@ class Pusher:
         idx = peer.pairing.src
         views = [ctx.kv_views[i] for i in idx]
         counts = [ctx.args.kv[i].num_items for i in idx]
-        await ctx.offload.run(acc.add, views, counts, src, timeout=deadline.remaining(), what="checksum")
+        await ctx.offload.run(acc.add, views, counts, src, timeout=deadline.remaining(), what="checksum",
+                              on_done=hold() if hold is not None else None)
 
     def checksum_fields(self, room: int, peer: DecodePeer) -> tuple[int, list[int]]:
         """(checksum, slice geometry) to send with Success; (-1, []) when none was computed."""

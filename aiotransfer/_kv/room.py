@@ -18,7 +18,10 @@ class RoomSide:
     :func:`~aiotransfer.status.apply_status` (Failed wins and sticks, progress is monotone), wakes the
     waiters, and on the first terminal status calls ``on_terminal(room_side)`` once."""
 
-    def __init__(self, room: int, on_terminal: Callable[[RoomSide], None] | None = None) -> None:
+    def __init__(
+        self, room: int, on_terminal: Callable[[RoomSide], None] | None = None,
+        on_released: Callable[[RoomSide, str], None] | None = None,
+    ) -> None:
         self.room = room
         self._latch = PollLatch()
         self._status = KVPoll.Bootstrapping
@@ -27,6 +30,8 @@ class RoomSide:
         """``time.monotonic()`` when the room was opened on this side."""
         self._waiters: set[asyncio.Future[None]] = set()
         self._on_terminal = on_terminal
+        self._on_released = on_released
+        self._released: str | None = None
 
     def poll(self) -> KVPoll:
         """Current status; the first terminal status is latched and returned forever after."""
@@ -59,6 +64,29 @@ class RoomSide:
 
     def _changed(self, status: KVPoll) -> None:
         """Hook for subclasses: runs on every change, before the waiters wake."""
+
+    # -- page lifecycle ---------------------------------------------------------------------------
+    def is_released(self) -> bool:
+        """True once this side can prove that no engine operation of this room will touch its pages (KV,
+        staging space) again: the pages may go back to the free list. Never before the room is terminal."""
+        return self._released is not None
+
+    @property
+    def release_cause(self) -> str | None:
+        """How the release was proven (``success``, ``drained``, ``peer-gone``, ``quarantine``...), or None."""
+        return self._released
+
+    def _release(self, cause: str) -> None:
+        if self._released is not None or not self._status.is_terminal:
+            return
+        self._released = cause
+        for fut in self._waiters:
+            _wake(fut)
+        if self._on_released is not None:
+            self._on_released(self, cause)
+
+    async def _wait_released(self, deadline: float) -> bool:
+        return await self._wait_until(lambda: self._released is not None, deadline)
 
     async def _wait_until(self, predicate: Callable[[], bool], deadline: float) -> bool:
         """Wait (without creating tasks) until ``predicate()`` holds or the loop time reaches ``deadline``.

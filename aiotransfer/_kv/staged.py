@@ -16,12 +16,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from .._deadline import Deadline
+from .._poller import Hold
 from ..control.messages import Staged, StagedAck, StageGrant, StageRequest
 from ..control.rendezvous import Rendezvous
 from ..errors import AiotransferError, InvalidArgument, TransferFailed, TransferTimeout
 from ..plan import Blocks
 from ..staging import RowSlice, StagingArena, gather_pages, scatter_pages
 from .context import RankContext, engine_failures
+from .ledger import joint
 from .peers import DecodePeer
 
 __all__ = ["StagingGrantor", "StagingRoom", "StagingWriter", "PIECE_BYTES"]
@@ -78,7 +80,7 @@ class StagingWriter:
 
     async def write(
         self, room: int, peer: DecodePeer, src: np.ndarray, dst_start: int, slices: tuple[RowSlice, RowSlice],
-        deadline: Deadline,
+        deadline: Deadline, hold: Hold | None = None,
     ) -> None:
         """Gather -> one engine entry -> decode scatters, per piece, pipelined: one gather at a time (the
         copies are CPU-bound), its decode-side space asked for while it runs; writes in flight as long as
@@ -104,7 +106,7 @@ class StagingWriter:
 
         async def piece(a: int, b: int) -> None:
             nbytes = (b - a) * per_page
-            posted = landed = False
+            posted = False
             granting: asyncio.Future[Any] | None = None
             lease: _Lease | None = None
             try:
@@ -118,7 +120,7 @@ class StagingWriter:
                     try:
                         await ctx.offload.run(gather_pages, src_views, num_pages, src[a:b], s_sl, out,
                                               timeout=deadline.remaining(), what="staging gather",
-                                              on_done=lease.lend())
+                                              on_done=joint(hold, lease.lend)())
                     except AiotransferError:
                         raise
                     except Exception as exc:
@@ -133,15 +135,16 @@ class StagingWriter:
                         np.array([nbytes], dtype=np.uint64),
                     )
                     posted = True
-                    await ctx.poller.write(peer.session_id, blocks, timeout=deadline.remaining())
-                    landed = True
+                    # the slice (and the room's pages) stay held until the engine is done with the write
+                    await ctx.poller.write(peer.session_id, blocks, timeout=deadline.remaining(),
+                                           hold=joint(hold, lease.lend))
                 lease.release()  # the engine has read our copy
                 ack = await self._call(peer.endpoint, staged_msg(grant, a, b, nbytes), deadline)
                 if not ack.ok:
                     raise TransferFailed(f"decode could not scatter a staged piece: {ack.reason}", room=room)
             except BaseException:
-                if lease is not None and (landed or not posted):
-                    lease.release()  # kept while a posted engine write may still read it
+                if lease is not None:
+                    lease.release()  # freed once no engine handle or thread holds it any more
                 if granting is not None and not posted:
                     self._release_grant_later(peer.endpoint, granting, room)
                 raise
@@ -230,11 +233,30 @@ class StagingGrantor:
         else:
             try:
                 off = await arena.acquire(msg.nbytes, self._ctx.config.transfer_timeout)
-                self._grants[(msg.endpoint, msg.req_id)] = (msg.room, off, msg.nbytes)
-                answer = StageGrant(room=msg.room, req_id=msg.req_id, offset=off, granted=True)
+                if self._lookup(msg.room) is None:  # the room ended while the piece waited for space
+                    arena.release(off, msg.nbytes)
+                    answer = StageGrant(room=msg.room, req_id=msg.req_id, offset=0, granted=False,
+                                        reason=f"room {msg.room} is not open here")
+                else:
+                    self._grants[(msg.endpoint, msg.req_id)] = (msg.room, off, msg.nbytes)
+                    answer = StageGrant(room=msg.room, req_id=msg.req_id, offset=off, granted=True)
             except (InvalidArgument, TransferTimeout) as exc:
                 answer = StageGrant(room=msg.room, req_id=msg.req_id, offset=0, granted=False, reason=str(exc))
         await self._ctx.reply(msg.endpoint, answer)
+
+    def release_room(self, room: int) -> int:
+        """The room's pages were released (no prefill write of it can land any more): so is the staging
+        space granted to its pieces that never arrived. Returns the bytes freed."""
+        arena = self._ctx.arena
+        freed = 0
+        for key, (r, off, n) in list(self._grants.items()):
+            if r == room and arena is not None:
+                del self._grants[key]
+                arena.release(off, n)
+                freed += n
+        if freed:
+            self._ctx.counters["staging_space_reclaimed"] += 1
+        return freed
 
     def on_staged(self, msg: Staged) -> None:
         ctx = self._ctx

@@ -15,6 +15,7 @@ from ..errors import ProtocolError
 __all__ = [
     "PROTOCOL_VERSION",
     "Abort",
+    "Drained",
     "Ping",
     "Pong",
     "RankEndpoint",
@@ -261,9 +262,17 @@ class Abort(msgspec.Struct, tag="abort", frozen=True):
     generation: int = 0
 
 
+class Drained(msgspec.Struct, tag="drained", frozen=True):
+    """Prefill -> decode, after the room failed: no engine operation of this room that writes into the
+    decode's pages or staging arena is pending any more (each reached a terminal state in the engine)."""
+
+    room: int
+    endpoint: str
+
+
 Message = (
     Hello | HelloAck | TransferRequest | Status | AuxData | Abort | RankRegister | TopologyQuery | Topology
-    | StageRequest | StageGrant | Staged | StagedAck | Ping | Pong
+    | StageRequest | StageGrant | Staged | StagedAck | Ping | Pong | Drained
 )
 
 _encoder = msgspec.msgpack.Encoder()
@@ -329,6 +338,8 @@ def validate(msg: Message) -> None:
     elif isinstance(msg, AuxData):
         _check_room(msg.room)
         _check(msg.buffer >= 0 and msg.index >= 0, "bad aux buffer/index")
+    elif isinstance(msg, Drained):
+        _check_room(msg.room)
     elif isinstance(msg, Abort):
         _check_room(msg.room)
         _check(len(msg.reason) <= 4096, "reason too long")

@@ -1,0 +1,120 @@
+"""The page lifecycle of a rank's rooms: which ended rooms still hold their pages, and why they let go.
+
+A room's pages go: in use -> (Success) released, or (Failed / aborted) awaiting release -> released. On the
+prefill a room is released once its ledger is empty (every engine handle terminal, every worker copy
+returned). On the decode a failed room is released once each prefill rank asked to write into it has
+acknowledged a drain (``Drained``), or has been proven gone (a new incarnation answered on its endpoint,
+or its control port refuses connections: no process is listening there any more), or the quarantine
+elapsed. This module keeps the rooms awaiting release, proves peers gone, and counts it all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Any
+from urllib.parse import urlsplit
+
+from ..receiver import KVReceiver
+from ..sender import KVSender
+from .context import RankContext
+from .room import RoomSide
+from .staged import StagingGrantor
+
+__all__ = ["Lifecycle", "port_refuses"]
+
+log = logging.getLogger("aiotransfer.manager")
+
+_PROBE_TIMEOUT = 0.5
+
+
+class Lifecycle:
+    def __init__(self, ctx: RankContext, grantor: StagingGrantor) -> None:
+        self._ctx = ctx
+        self._grantor = grantor
+        self.tx: dict[int, KVSender] = {}
+        """Prefill rooms that ended here and still hold their pages."""
+        self.rx: dict[int, KVReceiver] = {}
+        """Decode rooms that ended here and still hold their pages."""
+        for name in ("drains_acknowledged", "quarantines_expired", "peers_proven_gone"):
+            ctx.counters[name] += 0
+
+    def ended(self, side: RoomSide) -> None:
+        """A room just became terminal; it waits here until released."""
+        if side.is_released():
+            return
+        if isinstance(side, KVSender):
+            self.tx[side.room] = side
+        elif isinstance(side, KVReceiver):
+            self.rx[side.room] = side
+
+    def released(self, side: RoomSide, cause: str) -> None:
+        ctx = self._ctx
+        if isinstance(side, KVSender):
+            if self.tx.get(side.room) is side:
+                del self.tx[side.room]
+        elif isinstance(side, KVReceiver):
+            if self.rx.get(side.room) is side:
+                del self.rx[side.room]
+            self._grantor.release_room(side.room)  # staging space granted to the room's pieces
+        ctx.counters[f"rooms_released_{cause.replace('-', '_')}"] += 1
+        if cause == "quarantine":
+            ctx.counters["quarantines_expired"] += 1
+            log.warning("room %d: pages released after the %.3gs quarantine; no drain acknowledgement from %s",
+                        side.room, ctx.config.quarantine_s, ", ".join(getattr(side, "awaiting_drain", [])) or "-")
+
+    def peer_gone(self, endpoint: str, cause: str) -> int:
+        """``endpoint``'s process is provably gone: nothing it posted can land any more."""
+        n = sum(rx.on_drained(endpoint, cause) for rx in list(self.rx.values()))
+        if n:
+            self._ctx.counters["peers_proven_gone"] += 1
+        return n
+
+    async def prove_gone(self) -> None:
+        """Each heartbeat: a dead prefill rank that rooms still wait for is gone if its port refuses."""
+        ctx = self._ctx
+        while True:
+            await asyncio.sleep(ctx.config.heartbeat_interval)
+            waiting = {ep for rx in self.rx.values() for ep in rx.awaiting_drain if ctx.liveness.is_dead(ep)}
+            for ep in sorted(waiting):
+                if await port_refuses(ep):
+                    log.info("prefill %s is gone (its control port refuses connections)", ep)
+                    self.peer_gone(ep, "peer-gone")
+
+    def stats(self, page_bytes: int) -> dict[str, Any]:
+        """Rooms, pages and bytes awaiting release on each side."""
+        tx_pages = sum(tx.num_pages or 0 for tx in self.tx.values())
+        rx_pages = sum(int(rx.pages.size) if rx.pages is not None else 0 for rx in self.rx.values())
+        return {
+            "rooms_awaiting_release": len(self.tx) + len(self.rx),
+            "pages_awaiting_release": tx_pages + rx_pages,
+            "bytes_awaiting_release": (tx_pages + rx_pages) * page_bytes,
+            "engine_holds_pending": sum(tx.engine_holds for tx in self.tx.values()),
+        }
+
+
+async def port_refuses(endpoint: str) -> bool:
+    """True when a TCP connection to ``endpoint`` (``tcp://host:port``) is refused: nothing listens there."""
+    parts = urlsplit(endpoint if "://" in endpoint else f"tcp://{endpoint}")
+    if parts.hostname is None or parts.port is None:
+        return False
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(parts.hostname, parts.port, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setblocking(False)
+    connecting = asyncio.ensure_future(loop.sock_connect(sock, addr))
+    try:
+        # asyncio.wait, not wait_for: on Python < 3.12 wait_for can swallow a cancellation
+        done, _ = await asyncio.wait({connecting}, timeout=_PROBE_TIMEOUT)
+        if not done:
+            return False
+        exc = connecting.exception()
+        return isinstance(exc, ConnectionRefusedError)
+    finally:
+        connecting.cancel()
+        sock.close()

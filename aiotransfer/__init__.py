@@ -24,6 +24,7 @@ from .errors import PeerError as PeerError
 from .errors import ProtocolError as ProtocolError
 from .errors import TransferFailed as TransferFailed
 from .errors import TransferTimeout as TransferTimeout
+from .events import PeerEvent as PeerEvent
 from .manager import KVManager as KVManager
 from .metrics import PrometheusExporter as PrometheusExporter
 from .receiver import KVReceiver as KVReceiver
@@ -46,6 +47,7 @@ __all__ = [
     "alloc_metadata_buffer",
     # observability
     "LoopLagMonitor",
+    "PeerEvent",
     "PrometheusExporter",
     # configuration
     "AuxPath",

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
 
 import numpy as np
@@ -52,8 +52,8 @@ from .control.messages import (
 from .engines.base import TransferEngine
 from .engines.registry import create_engine
 from .errors import AiotransferError, ClosedError, InvalidArgument
+from .events import PeerEvent, PeerEvents
 from .metrics import Metrics
-from .plan import as_index_array, check_range
 from .receiver import KVReceiver
 from .sender import KVSender
 from .status import KVPoll
@@ -102,10 +102,11 @@ class KVManager:
         self._pusher = Pusher(ctx)
         self._notifier = Notifier(ctx, self._pusher)
         self._grantor = StagingGrantor(ctx, self._receivers.get)
-        self._life = Lifecycle(ctx, self._grantor)
+        self._events = PeerEvents()
+        self._life = Lifecycle(ctx, self._grantor, self._events.publish)
         self._prefill = PrefillSide(ctx, self._senders, self._life.tx, self._notifier, self._fail_rooms_with)
         self._client = PrefillClient(ctx)
-        self._decode = DecodeSide(ctx, self._receivers, self._life.rx)
+        self._decode = DecodeSide(ctx, self._receivers, self._life.rx, self._client.forget)
         self._leader = BootstrapLeader(ctx)
         p, c, d = self._prefill, self._client, self._decode
         self._handlers: dict[type[Any], Callable[[Any], None]] = {
@@ -347,13 +348,7 @@ class KVManager:
         peer = self._prefill.decode_peers.get(decode_endpoint)
         if peer is None:
             raise InvalidArgument(f"{decode_endpoint!r} is not a registered decode rank")
-        src = as_index_array(src_pages, what="src_pages")
-        dst = as_index_array(dst_pages, what="dst_pages")
-        check_range(src, self.args.num_pages, what="src_pages")
-        check_range(dst, peer.num_pages, what="dst_pages")
-        if src.size != dst.size:
-            raise InvalidArgument(f"src_pages has {src.size} pages, dst_pages {dst.size}")
-        return self._pusher.plan(peer, src, dst, staging=staging)
+        return self._pusher.plan_checked(peer, src_pages, dst_pages, staging=staging)
 
     def _on_terminal(self, side: RoomSide) -> None:
         """A room ended on this side: leave the registry, count it, log a failure once."""
@@ -391,29 +386,40 @@ class KVManager:
         with contextlib.suppress(AiotransferError):
             await control.send(endpoint, msg, timeout=0.05)
 
-    def _fail_rooms_with(self, endpoint: str, reason: str) -> int:
-        failed = 0
-        for tx in list(self._senders.values()):
-            if endpoint in tx.decode_endpoints and tx.update(KVPoll.Failed, reason):
-                failed += 1
-        for rx in list(self._receivers.values()):
-            if endpoint in rx.prefill_endpoints and rx.update(KVPoll.Failed, reason):
-                failed += 1
+    def _fail_rooms_with(self, endpoint: str, reason: str) -> list[int]:
+        failed = [tx.room for tx in list(self._senders.values())
+                  if endpoint in tx.decode_endpoints and tx.update(KVPoll.Failed, reason)]
+        failed += [rx.room for rx in list(self._receivers.values())
+                   if endpoint in rx.prefill_endpoints and rx.update(KVPoll.Failed, reason)]
         return failed
 
     def _on_peer_dead(self, endpoint: str, reason: str) -> None:
         self.counters["peers_declared_dead"] += 1
-        self.counters["rooms_failed_dead_peer"] += self._fail_rooms_with(endpoint, reason)
+        rooms = self._fail_rooms_with(endpoint, reason)
+        self.counters["rooms_failed_dead_peer"] += len(rooms)
         self._client.forget(endpoint)
         peer = self._prefill.decode_peers.get(endpoint)
         if peer is not None and self._ctx.engine_or_none is not None:
             self._ctx.engine_or_none.forget_peer(peer.session_id)
+        self._events.publish(PeerEvent("dead", endpoint, tuple(rooms), reason))
 
     def _on_peer_restart(self, endpoint: str) -> None:
         self.counters["peer_restarts"] += 1
-        self._fail_rooms_with(endpoint, f"peer {endpoint} restarted; its earlier state is gone")
+        reason = f"peer {endpoint} restarted; its earlier state is gone"
+        rooms = self._fail_rooms_with(endpoint, reason)
         self._client.forget(endpoint)
         self._life.peer_gone(endpoint, "peer-restarted")  # its old process, and what it posted, is gone
+        self._events.publish(PeerEvent("restarted", endpoint, tuple(rooms), reason))
+
+    # -- events ---------------------------------------------------------------------------------
+    def add_peer_listener(self, callback: Callable[[PeerEvent], None]) -> Callable[[], None]:
+        """Call ``callback(event)`` on the loop for every :class:`PeerEvent` (a peer declared dead,
+        restarted or proven gone, with the rooms it failed here); returns the function that unsubscribes."""
+        return self._events.add_listener(callback)
+
+    def peer_events(self, maxsize: int = 256) -> AsyncIterator[PeerEvent]:
+        """The same events as an async iterator; one that falls ``maxsize`` behind loses the oldest."""
+        return self._events.stream(maxsize)
 
     # -- inbound control messages -------------------------------------------------------------
     def _dispatch(self, msg: Message) -> None:

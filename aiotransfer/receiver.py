@@ -17,7 +17,7 @@ from .errors import InvalidArgument, PeerError, TransferFailed, TransferTimeout
 from .plan import as_index_array, check_range, check_unique
 from .status import KVPoll
 
-__all__ = ["KVReceiver"]
+__all__ = ["KVReceiver", "decode_reason"]
 
 
 class KVReceiver(RoomSide):
@@ -119,7 +119,7 @@ class KVReceiver(RoomSide):
             if isinstance(exc, (TransferTimeout, PeerError)):
                 annotate(exc, self.room, self.peer)
             if not isinstance(exc, InvalidArgument):
-                self.update(KVPoll.Failed, f"metadata not delivered: {str(exc) or type(exc).__name__}")
+                self.update(KVPoll.Failed, decode_reason(f"metadata not delivered: {str(exc) or type(exc).__name__}"))
             raise
         self.update(KVPoll.WaitingForInput)
         self.aux_index = aux_index
@@ -146,7 +146,7 @@ class KVReceiver(RoomSide):
         was delivered (each then stops posting writes for it and acknowledges the drain)."""
         if self._status.is_terminal:
             return
-        reason = reason if reason.startswith("aborted by decode") else f"aborted by decode: {reason or 'no reason given'}"
+        reason = decode_reason(reason)
         self._aborting = True  # the notice goes out below, awaited, instead of from the status change
         self.update(KVPoll.Failed, reason)
         await self._notifier.abort(self.room, self._abort_targets(), reason)
@@ -163,17 +163,19 @@ class KVReceiver(RoomSide):
         if status is KVPoll.Success:
             self._release("success")  # every prefill write landed before its Success
         elif status is KVPoll.Failed:
+            ctx = self._ctx
+            if ctx.started and not ctx.closed and not self._aborting:
+                # each prefill rank that may hold the room stops, and acknowledges its drain; one that only
+                # waits for our metadata fails at once instead of waiting out wait_ready
+                ctx.spawn(self._notifier.abort(self.room, self._abort_targets(), self._reason or "failed"),
+                          "abort")
             if not self._asked:
                 self._release("nothing-sent")  # no prefill rank was asked to write here
                 return
             self._undrained = set(self._asked)
-            ctx = self._ctx
             self._quarantine = asyncio.get_running_loop().call_later(
                 ctx.config.quarantine_s, self._release, "quarantine"
             )
-            if ctx.started and not ctx.closed and not self._aborting:  # ask each prefill rank to stop and drain
-                ctx.spawn(self._notifier.abort(self.room, self._abort_targets(), self._reason or "failed"),
-                          "abort")
 
     def _release(self, cause: str) -> None:
         if self._quarantine is not None:
@@ -226,3 +228,8 @@ class KVReceiver(RoomSide):
             if self._route is not None and len(self._succeeded) >= self._route.required:
                 self.update(KVPoll.Success)
         return True
+
+
+def decode_reason(reason: str) -> str:
+    """A failure that started on the decode, worded the same on both sides."""
+    return reason if reason.startswith("aborted by decode") else f"aborted by decode: {reason or 'no reason given'}"

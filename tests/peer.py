@@ -95,6 +95,15 @@ class Peer:
     async def op_abort(self, mgr: KVManager, room: int, reason: str = "test abort") -> None:
         await self.rooms[room].abort(reason)
 
+    async def op_reason(self, mgr: KVManager, room: int) -> dict[str, Any]:
+        obj = self.rooms[room]
+        return {"status": obj.poll().name, "reason": obj.failure_reason}
+
+    async def op_released(self, mgr: KVManager, room: int, timeout: float = 30.0) -> dict[str, Any]:
+        obj = self.rooms[room]
+        await obj.released(timeout=timeout)
+        return {"cause": obj.release_cause}
+
     async def op_sender(self, mgr: KVManager, room: int) -> None:
         self.rooms[room] = mgr.sender(room)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from ..control.messages import Abort, AuxData, Drained, Status
 from ..integrity import fold, region_crcs
@@ -21,9 +21,11 @@ log = logging.getLogger("aiotransfer.manager")
 
 class DecodeSide:
     def __init__(
-        self, ctx: RankContext, receivers: Mapping[int, KVReceiver], draining: Mapping[int, KVReceiver]
+        self, ctx: RankContext, receivers: Mapping[int, KVReceiver], draining: Mapping[int, KVReceiver],
+        forget_prefill: Callable[[str], None],
     ) -> None:
         self._ctx = ctx
+        self._forget_prefill = forget_prefill
         self._receivers = receivers
         self._draining = draining
 
@@ -36,6 +38,8 @@ class DecodeSide:
         self._ctx.counters["drains_acknowledged"] += 1
 
     def on_status(self, msg: Status) -> None:
+        if msg.status == int(KVPoll.Failed) and "unregistered decode rank" in msg.reason:
+            self._forget_prefill(msg.endpoint)  # it does not know us (restarted): register again next time
         rx = self._receivers.get(msg.room)
         if rx is None:
             self._ctx.drop("unknown-room", f"status for room {msg.room}")

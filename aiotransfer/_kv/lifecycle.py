@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..events import PeerEvent
 from ..receiver import KVReceiver
 from ..sender import KVSender
 from .context import RankContext
@@ -30,8 +32,9 @@ _PROBE_TIMEOUT = 0.5
 
 
 class Lifecycle:
-    def __init__(self, ctx: RankContext, grantor: StagingGrantor) -> None:
+    def __init__(self, ctx: RankContext, grantor: StagingGrantor, publish: Callable[[PeerEvent], None]) -> None:
         self._ctx = ctx
+        self._publish = publish
         self._grantor = grantor
         self.tx: dict[int, KVSender] = {}
         """Prefill rooms that ended here and still hold their pages."""
@@ -81,6 +84,7 @@ class Lifecycle:
                 if await port_refuses(ep):
                     log.info("prefill %s is gone (its control port refuses connections)", ep)
                     self.peer_gone(ep, "peer-gone")
+                    self._publish(PeerEvent("gone", ep, (), f"peer {ep} is gone: its control port refuses connections"))
 
     def stats(self, page_bytes: int) -> dict[str, Any]:
         """Rooms, pages and bytes awaiting release on each side."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -19,6 +20,7 @@ from ..control.messages import PROTOCOL_VERSION, Abort, Hello, HelloAck, Transfe
 from ..errors import AiotransferError, EngineError, InvalidArgument, ProtocolError, TransferTimeout
 from ..layout import KVPairing, RankGeometry, pair_buffers
 from ..plan import check_range, check_unique
+from ..receiver import decode_reason
 from ..sender import KVSender
 from ..status import KVPoll
 from .context import RankContext
@@ -29,13 +31,15 @@ __all__ = ["PrefillSide"]
 
 log = logging.getLogger("aiotransfer.manager")
 
+_REFUSED_MAX = 4096
+
 
 class PrefillSide:
     """Registrations from decode ranks and their requests, handed to this rank's senders."""
 
     def __init__(
         self, ctx: RankContext, senders: Mapping[int, KVSender], draining: Mapping[int, KVSender],
-        notifier: Notifier, fail_rooms_with: Callable[[str, str], int],
+        notifier: Notifier, fail_rooms_with: Callable[[str, str], list[int]],
     ) -> None:
         self._ctx = ctx
         self._senders = senders
@@ -44,6 +48,8 @@ class PrefillSide:
         self._fail_rooms_with = fail_rooms_with
         self.decode_peers: dict[str, DecodePeer] = {}
         self.pending = PendingRequests(ctx.config.pending_request_ttl, ctx.config.max_rooms)
+        self._refused: OrderedDict[int, str] = OrderedDict()
+        """Rooms whose request was refused before their sender existed (it fails with the same reason)."""
         self._hellos: dict[str, asyncio.Task[None]] = {}
         """Registrations being checked (engine handshake), by decode endpoint."""
 
@@ -137,8 +143,18 @@ class PrefillSide:
             ctx.spawn(self._after_hello(pending_hello, req), "request-after-hello")
             return
         if peer is None:
+            # a decode that has not registered with this process (it restarted on this endpoint, and the
+            # decode has not noticed yet): the room fails here too, with the reason the decode gets
+            reason = f"transfer request from an unregistered decode rank ({req.endpoint}); register again"
             ctx.drop("unregistered-peer", f"request for room {req.room} from {req.endpoint}")
-            self._refuse(req, "transfer request from an unregistered decode rank")
+            self._refuse(req, reason)
+            tx = self._senders.get(req.room)
+            if tx is not None:
+                tx.update(KVPoll.Failed, reason)
+            else:
+                self._refused[req.room] = reason
+                while len(self._refused) > _REFUSED_MAX:
+                    self._refused.popitem(last=False)
             return
         if req.generation != peer.hello.generation:
             ctx.drop("stale-generation", f"room {req.room} from {req.endpoint}")
@@ -206,7 +222,11 @@ class PrefillSide:
             self._refuse(req, reason)
 
     def opened(self, tx: KVSender) -> None:
-        """A sender was just created: hand it the requests that came before it."""
+        """A sender was just created: hand it the requests that came before it (or the refusal of one)."""
+        refused = self._refused.pop(tx.room, None)
+        if refused is not None:
+            tx.update(KVPoll.Failed, refused)
+            return
         for item in self.pending.pop(tx.room) or ():
             self.accept(tx, item.peer, item.request, item.kv_indices)
 
@@ -218,7 +238,7 @@ class PrefillSide:
         tx = self._senders.get(msg.room)
         if tx is not None and (msg.endpoint in tx.decode_endpoints or not tx.decode_endpoints):
             # stops posting at once; the drain acknowledgement follows when its last handle is terminal
-            tx.update(KVPoll.Failed, _decode_reason(msg.reason))
+            tx.update(KVPoll.Failed, decode_reason(msg.reason))
             return True
         if self.pending.pop(msg.room) is not None:
             self.drained_now(msg.room, msg.endpoint)  # nothing was posted for a stashed request
@@ -229,7 +249,3 @@ class PrefillSide:
         """Nothing of ``room`` can write into ``endpoint``'s pages from here: say so."""
         self._ctx.spawn(self._notifier.drained(room, [endpoint]), "drained")
 
-
-def _decode_reason(reason: str) -> str:
-    """The reason a decode abort carries, said the same way on both sides."""
-    return reason if reason.startswith("aborted by decode") else f"aborted by decode: {reason}"

@@ -20,9 +20,9 @@ from .._poller import Hold
 from ..args import Buffer
 from ..config import AuxPath
 from ..control.messages import AuxData
-from ..errors import EngineError, TransferFailed, TransferTimeout
+from ..errors import EngineError, InvalidArgument, TransferFailed, TransferTimeout
 from ..integrity import RoomChecksum
-from ..plan import Blocks, pair_runs, plan_blocks, plan_head_slices, plan_runs
+from ..plan import Blocks, as_index_array, check_range, pair_runs, plan_blocks, plan_head_slices, plan_runs
 from ..staging import RowSlice, choose_staging
 from .context import RankContext, annotate, engine_failures
 from .peers import DecodePeer
@@ -104,6 +104,17 @@ class Pusher:
             step = piece_pages(per_page, arena.nbytes, remote.nbytes)
             return TransferPlan(None, slices, src_buffers, pieces=-(-int(src.size) // step))
         return TransferPlan(self._blocks(peer, src, dst, runs), None, src_buffers)
+
+    def plan_checked(self, peer: DecodePeer, src_pages: object, dst_pages: object, *,
+                     staging: bool | None = None) -> TransferPlan:
+        """:meth:`plan` for caller-supplied indices, checked first."""
+        src = as_index_array(src_pages, what="src_pages")
+        dst = as_index_array(dst_pages, what="dst_pages")
+        check_range(src, self._ctx.args.num_pages, what="src_pages")
+        check_range(dst, peer.num_pages, what="dst_pages")
+        if src.size != dst.size:
+            raise InvalidArgument(f"src_pages has {src.size} pages, dst_pages {dst.size}")
+        return self.plan(peer, src, dst, staging=staging)
 
     def _blocks(self, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, runs: list[list[int]] | None = None) -> Blocks:
         ctx, pairing = self._ctx, peer.pairing

@@ -1,0 +1,231 @@
+"""The page lifecycle across real processes: when a room's pages are safe to reuse on each side, and that
+a failed transfer never lands in pages handed to another room."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aiotransfer import KVArgs, KVManager, KVPoll, PeerEvent, TransferConfig, TransferFailed
+from tests.peer import digest, make_buffers
+from tests.remote import RemoteError, RemotePeer
+
+BIG: dict[str, Any] = {"buffers": 4, "pages": 2048, "item_len": 4096}
+SEED = 9
+"""The remote prefill's buffers are ``make_buffers(..., seed=SEED)``: the test can compute what must land."""
+GONE_BOUND = 7.0
+"""peer_timeout (3 s) + a heartbeat to notice + a heartbeat to probe its port, with margin."""
+
+
+def pages(n: int, seed: int, lo: int = 0, hi: int = BIG["pages"]) -> list[int]:
+    return [int(x) + lo for x in np.random.default_rng(seed).permutation(hi - lo)[:n]]
+
+
+def expected(src: list[int]) -> str:
+    return digest(make_buffers(BIG["buffers"], BIG["pages"], BIG["item_len"], seed=SEED), src)
+
+
+@contextlib.asynccontextmanager
+async def local_decode(engine: str, **cfg: Any) -> AsyncIterator[tuple[KVManager, list[np.ndarray]]]:
+    bufs = make_buffers(BIG["buffers"], BIG["pages"], BIG["item_len"], None)
+    config = TransferConfig(engine=engine, **cfg)
+    async with KVManager(KVArgs(bufs, page_size=16, dtype="uint8"), config) as mgr:
+        yield mgr, bufs
+
+
+async def open_room(dec: KVManager, prefill: RemotePeer, room: int, dst: list[int]) -> Any:
+    await prefill.call("sender", room=room)
+    rx = dec.receiver(room, prefill.endpoint)
+    await rx.send_metadata(dst)
+    await prefill.call("wait_ready", room=room)
+    return rx
+
+
+async def test_decode_abort_is_released_by_the_drain_ack_and_its_pages_reuse_cleanly(engine: str) -> None:
+    prefill = await RemotePeer.start(engine, seed=SEED, **BIG)
+    try:
+        async with local_decode(engine) as (dec, bufs):
+            dst = pages(1500, 1)
+            rx = await open_room(dec, prefill, 1, dst)
+            send = asyncio.ensure_future(prefill.call("send_kv", room=1, pages=pages(1500, 2)))
+            await asyncio.sleep(0.002)
+            await rx.abort("client went away")
+            t_abort = time.monotonic()
+            await rx.released(timeout=10)
+            latency = time.monotonic() - t_abort
+            print(f"decode abort -> released: {latency * 1e3:.1f} ms ({rx.release_cause})")
+            assert rx.release_cause == "drained"  # the prefill's acknowledgement, not a timer
+            assert dec.stats()["drains_acknowledged"] == 1
+            with pytest.raises(RemoteError, match="aborted by decode: client went away"):
+                await send
+            assert (await prefill.call("reason", room=1))["reason"] == rx.failure_reason
+            # the same pages at once for a new room: they end with exactly that room's bytes
+            src2 = pages(1500, 3)
+            rx2 = await open_room(dec, prefill, 2, dst)
+            await prefill.call("send_kv", room=2, pages=src2)
+            await rx2.done(timeout=30)
+            await asyncio.sleep(0.2)  # any late write of room 1 would land now
+            assert digest(bufs, dst) == expected(src2)
+    finally:
+        await prefill.close()
+
+
+async def test_a_stopped_prefill_writes_late_only_into_quarantined_pages(engine: str) -> None:
+    stopped = await RemotePeer.start(engine, seed=SEED, **BIG)
+    other = await RemotePeer.start(engine, seed=SEED, **BIG)
+    try:
+        async with local_decode(engine) as (dec, bufs):
+            held = pages(1500, 4, 0, 1600)  # room 1's pages; room 2 gets pages outside them
+            rx = await open_room(dec, stopped, 1, held)
+            asyncio.ensure_future(stopped.call("send_kv", room=1, pages=pages(1500, 5), timeout=60))
+            await asyncio.sleep(0.002)
+            stopped.signal(signal.SIGSTOP)
+            with pytest.raises(TransferFailed, match="silent for"):
+                await rx.done(timeout=30)
+            assert rx.poll() is KVPoll.Failed
+            await asyncio.sleep(1.0)
+            assert not rx.is_released(), rx.release_cause  # a stopped process is not a gone one
+            assert rx.awaiting_drain == [stopped.endpoint]
+            free = pages(300, 6, 1600, 2048)
+            src2 = pages(300, 7)
+            rx2 = await open_room(dec, other, 2, free)
+            await other.call("send_kv", room=2, pages=src2)
+            await rx2.done(timeout=30)
+            stopped.signal(signal.SIGCONT)  # its late writes land now, in room 1's quarantined pages
+            await rx.released(timeout=30)
+            assert rx.release_cause == "drained"
+            assert digest(bufs, free) == expected(src2)
+    finally:
+        stopped.signal(signal.SIGCONT)
+        await stopped.close()
+        await other.close()
+
+
+async def test_a_killed_prefill_is_proven_gone_within_the_bound(engine: str) -> None:
+    prefill = await RemotePeer.start(engine, seed=SEED, **BIG)
+    events: list[PeerEvent] = []
+    try:
+        async with local_decode(engine) as (dec, _):
+            dec.add_peer_listener(events.append)
+            rx = await open_room(dec, prefill, 1, pages(100, 8))
+            prefill.signal(signal.SIGKILL)
+            t0 = time.monotonic()
+            await rx.released(timeout=20)
+            elapsed = time.monotonic() - t0
+            print(f"prefill killed -> released after {elapsed:.2f}s ({rx.release_cause})")
+            assert rx.release_cause == "peer-gone"
+            assert elapsed < GONE_BOUND
+            kinds = [(e.kind, e.peer) for e in events]
+            assert ("dead", prefill.endpoint) in kinds and ("gone", prefill.endpoint) in kinds
+            assert next(e for e in events if e.kind == "dead").rooms == (1,)
+    finally:
+        await prefill.close()
+
+
+async def test_prefill_release_waits_for_the_handles_of_a_cancelled_send(engine: str) -> None:
+    decode = await RemotePeer.start(engine, **BIG)
+    bufs = make_buffers(BIG["buffers"], BIG["pages"], BIG["item_len"], seed=SEED)
+    cfg = TransferConfig(engine=engine, staging="never")
+    try:
+        async with KVManager(KVArgs(bufs, page_size=16, dtype="uint8"), cfg) as mgr:
+            tx = mgr.sender(1)
+            await decode.call("receiver", room=1, peer=mgr.endpoint, pages=pages(2000, 9))
+            await tx.wait_ready(timeout=10)
+            send = asyncio.ensure_future(tx.send_kv(pages(2000, 10), timeout=30))
+            await asyncio.sleep(0)  # the send is now posting its first batch (NIXL over shm moves all of it
+            send.cancel()  # in ~40 ms, so the cancellation comes while the engine still has the batch)
+            with contextlib.suppress(asyncio.CancelledError):
+                await send
+            assert tx.poll() is KVPoll.Failed
+            assert not tx.is_released() and tx.engine_holds > 0  # the engine still reads the pages
+            await tx.released(timeout=30)
+            assert tx.release_cause == "drained" and tx.engine_holds == 0
+            assert mgr.stats()["in_flight"] == 0
+            # the decode hears the drain too, and releases on it
+            assert (await decode.call("released", room=1, timeout=30))["cause"] == "drained"
+    finally:
+        await decode.close()
+
+
+async def test_aborted_staged_rooms_give_all_staging_space_back_on_both_sides(engine: str) -> None:
+    env = {"AIOTRANSFER_STAGING": "always", "AIOTRANSFER_STAGING_BYTES": str(8 << 20)}
+    prefill = await RemotePeer.start(engine, seed=SEED, env=env, **BIG)
+    try:
+        async with local_decode(engine, staging="always", staging_bytes=8 << 20) as (dec, bufs):
+            rooms = []
+            for room in range(1, 6):
+                rx = await open_room(dec, prefill, room, pages(128, 20 + room))
+                asyncio.ensure_future(prefill.call("send_kv", room=room, pages=pages(128, 30 + room)))
+                rooms.append(rx)
+            await asyncio.sleep(0.005)
+            for rx in rooms:
+                await rx.abort("cancelled by the scheduler")
+            for rx in rooms:
+                await rx.released(timeout=30)
+            assert dec.stats()["staging_bytes_in_use"] == 0
+            for _ in range(200):
+                if (await prefill.call("stats"))["stats"]["staging_bytes_in_use"] == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert (await prefill.call("stats"))["stats"]["staging_bytes_in_use"] == 0
+            dst, src = pages(128, 40), pages(128, 41)  # a later staged room still goes through
+            rx = await open_room(dec, prefill, 9, dst)
+            await prefill.call("send_kv", room=9, pages=src)
+            await rx.done(timeout=30)
+            assert digest(bufs, dst) == expected(src)
+    finally:
+        await prefill.close()
+
+
+async def test_an_abort_before_the_metadata_reaches_the_prefill(engine: str) -> None:
+    prefill = await RemotePeer.start(engine, seed=SEED, **BIG)
+    try:
+        async with local_decode(engine) as (dec, _):
+            await prefill.call("sender", room=3)
+            rx = dec.receiver(3, prefill.endpoint)
+            meta = asyncio.ensure_future(rx.send_metadata([1, 2]))
+            await asyncio.sleep(0)
+            meta.cancel()  # during first contact
+            with contextlib.suppress(asyncio.CancelledError):
+                await meta
+            assert rx.poll() is KVPoll.Failed
+            reason = rx.failure_reason or ""
+            assert reason.startswith("aborted by decode: metadata not delivered: ") and not reason.endswith(": ")
+            t0 = time.monotonic()
+            with pytest.raises(RemoteError, match="metadata not delivered"):
+                await prefill.call("wait_ready", room=3, timeout=10)
+            assert time.monotonic() - t0 < 2.0  # not wait_ready's bound
+            assert (await prefill.call("reason", room=3))["reason"] == reason  # the same words on both sides
+            assert rx.is_released() and rx.release_cause == "nothing-sent"
+    finally:
+        await prefill.close()
+
+
+async def test_a_request_the_prefill_cannot_place_fails_both_sides_with_one_reason(engine: str) -> None:
+    """A prefill restarted on the same endpoint does not know the decode yet: the decode's request (sent
+    before it noticed) fails the room on both sides with the same reason, instead of the prefill's room
+    waiting out ``wait_ready``; the decode registers again for its next room."""
+    from aiotransfer._kv.client import Route
+    from aiotransfer.control.messages import TransferRequest, encode, pack_indices
+    from tests.zmqtools import push
+
+    bufs = make_buffers(BIG["buffers"], BIG["pages"], BIG["item_len"], seed=SEED)
+    cfg = TransferConfig(engine=engine)
+    async with KVManager(KVArgs(bufs, page_size=16, dtype="uint8"), cfg) as pre, local_decode(engine) as (dec, _):
+        tx = pre.sender(6)
+        rx = dec.receiver(6, pre.endpoint)
+        req = TransferRequest(room=6, endpoint=dec.endpoint, generation=1, kv_indices=pack_indices(np.arange(2)))
+        rx._route = Route(sources={pre.endpoint: 0}, endpoints=[pre.endpoint], required=1, requests=[])
+        await push(pre.endpoint, [encode(req)])
+        with pytest.raises(TransferFailed, match="unregistered decode rank") as on_decode:
+            await rx.done(timeout=5)
+        with pytest.raises(TransferFailed) as on_prefill:
+            await tx.done(timeout=5)
+        assert on_prefill.value.reason == on_decode.value.reason

@@ -100,18 +100,22 @@ async def decode_main() -> None:
         async def receive(room: int, n_pages: int, peer: str) -> None:
             pages = await pool.alloc(n_pages)
             t0 = time.perf_counter()
+            rx = mgr.receiver(room, peer)
             try:
-                rx = mgr.receiver(room, peer)
                 await rx.send_metadata(pages, timeout=10)
                 await rx.done(timeout=30)
+                bad = await asyncio.to_thread(check, kv, room, pages)  # off the event loop
+                emit({"room": room, "ok": bad == 0, "bad_words": bad, "ms": (time.perf_counter() - t0) * 1e3})
             except AiotransferError as exc:  # TransferFailed (with the reason prefill gave), timeouts, ...
-                # The prefill's engine may still write into these pages for a while: keep them out of
-                # the pool (a real server would quarantine them until the engine timeout has passed).
                 emit({"room": room, "ok": False, "reason": f"{type(exc).__name__}: {exc}"})
-                return
-            bad = await asyncio.to_thread(check, kv, room, pages)  # off the event loop
-            emit({"room": room, "ok": bad == 0, "bad_words": bad, "ms": (time.perf_counter() - t0) * 1e3})
-            await pool.free(pages)
+            finally:
+                # Pages go back only once no prefill write of this room can land in them any more: at once
+                # after Success; after a failure, once the prefill acknowledged its drain (or is gone).
+                try:
+                    await rx.released()
+                except AiotransferError:
+                    return  # never proven safe: these pages stay out of the pool
+                await pool.free(pages)
 
         tasks: set[asyncio.Task[None]] = set()
         emit({"ready": True})
@@ -207,9 +211,8 @@ async def prefill_main(n_requests: int, concurrency: int, seed: int) -> int:
             async with slots:  # bounded concurrency: at most `concurrency` requests in flight
                 t0 = time.perf_counter()
                 pages = await pool.alloc(n_pages)
-                ok = False
+                tx = mgr.sender(room)
                 try:
-                    tx = mgr.sender(room)
                     decode.send({"op": "request", "room": room, "pages": n_pages, "peer": mgr.endpoint})
                     await tx.wait_ready(timeout=10)  # decode's page indices have arrived
                     step = CHUNK_TOKENS // PAGE_TOKENS
@@ -224,13 +227,16 @@ async def prefill_main(n_requests: int, concurrency: int, seed: int) -> int:
                         failures.append(f"room {room}: {result}")
                     latencies.append(time.perf_counter() - t0)
                     moved += n_pages * sum(b.item_len for b in mgr.args.kv)
-                    ok = True
                 except AiotransferError as exc:  # TransferFailed (with .reason), TransferTimeout, ...
                     failures.append(f"room {room}: {type(exc).__name__}: {exc}")
                 finally:
-                    # After a failure the engine may still be reading these pages (stats()["in_flight"]):
-                    # keep them out of the pool rather than hand them to the next request.
-                    if ok:
+                    # After a failure the engine may still be reading these pages: they go back to the
+                    # pool only once every engine handle of the room is terminal.
+                    try:
+                        await tx.released()
+                    except AiotransferError:
+                        pass  # never proven safe: these pages stay out of the pool
+                    else:
                         await pool.free(pages)
 
         t_start = time.perf_counter()

@@ -84,7 +84,7 @@ async def test_a_stopped_prefill_writes_late_only_into_quarantined_pages(engine:
         async with local_decode(engine) as (dec, bufs):
             held = pages(1500, 4, 0, 1600)  # room 1's pages; room 2 gets pages outside them
             rx = await open_room(dec, stopped, 1, held)
-            asyncio.ensure_future(stopped.call("send_kv", room=1, pages=pages(1500, 5), timeout=60))
+            late = asyncio.ensure_future(stopped.call("send_kv", room=1, pages=pages(1500, 5), timeout=60))
             await asyncio.sleep(0.002)
             stopped.signal(signal.SIGSTOP)
             with pytest.raises(TransferFailed, match="silent for"):
@@ -102,6 +102,8 @@ async def test_a_stopped_prefill_writes_late_only_into_quarantined_pages(engine:
             await rx.released(timeout=30)
             assert rx.release_cause == "drained"
             assert digest(bufs, free) == expected(src2)
+            with pytest.raises(RemoteError):  # the resumed prefill learned of the decode's abort
+                await late
     finally:
         stopped.signal(signal.SIGCONT)
         await stopped.close()
@@ -159,16 +161,17 @@ async def test_aborted_staged_rooms_give_all_staging_space_back_on_both_sides(en
     prefill = await RemotePeer.start(engine, seed=SEED, env=env, **BIG)
     try:
         async with local_decode(engine, staging="always", staging_bytes=8 << 20) as (dec, bufs):
-            rooms = []
+            rooms, sends = [], []
             for room in range(1, 6):
                 rx = await open_room(dec, prefill, room, pages(128, 20 + room))
-                asyncio.ensure_future(prefill.call("send_kv", room=room, pages=pages(128, 30 + room)))
+                sends.append(asyncio.ensure_future(prefill.call("send_kv", room=room, pages=pages(128, 30 + room))))
                 rooms.append(rx)
             await asyncio.sleep(0.005)
             for rx in rooms:
                 await rx.abort("cancelled by the scheduler")
             for rx in rooms:
                 await rx.released(timeout=30)
+            await asyncio.gather(*sends, return_exceptions=True)
             assert dec.stats()["staging_bytes_in_use"] == 0
             for _ in range(200):
                 if (await prefill.call("stats"))["stats"]["staging_bytes_in_use"] == 0:

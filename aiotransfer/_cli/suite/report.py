@@ -1,6 +1,6 @@
 """Figures, targets, table and plots of ``python -m aiotransfer bench --suite full``.
 
-Pure functions of the results dictionary written by :mod:`aiotransfer._benchsuite`, so a saved JSON can
+Pure functions of the results dictionary written by :mod:`aiotransfer._cli.suite`, so a saved JSON can
 be re-plotted (``--replot results.json``) without running anything. Plotting imports matplotlib lazily
 (Agg backend); everything else needs only the standard library.
 """

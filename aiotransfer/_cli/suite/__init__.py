@@ -23,7 +23,8 @@ Phases (per engine configuration; see ``ENGINES`` for which run where):
 * ``throughput``: one contiguous request per size; raw single entry vs ``send_kv``.
 * ``scattered``: N x 4 KiB pages scattered at random on both sides; raw page by page (batches of
   <= 1,024 entries), raw one contiguous write of the same bytes, ``send_kv`` (staging auto), and the
-  planning time (``_plan_kv`` / ``_staging_plan`` on that input, and the gather copy).
+  planning time (``KVManager.plan_transfer`` on that input, forced direct and deciding as ``send_kv``
+  would, and the gather copy).
 * ``lag``: 1 ms sleep probe on the prefill loop, idle, while ``send_kv`` keeps the engine saturated
   (many contiguous requests in flight), and while the raw engine does the same on a thread.
 * ``concurrency``: 1..256 requests in flight; aggregate throughput and latency, raw and aiotransfer.

@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from aiotransfer import LoopLagMonitor
-from aiotransfer.staging import gather_pages
+from aiotransfer import InvalidArgument, LoopLagMonitor
+from aiotransfer.staging import gather_pages, host_view
 
 from ..raw import RawMooncake, raw_engine
 from ..workload import I64, fill_pages
@@ -91,31 +91,33 @@ async def phase_throughput(ctx: Ctx) -> dict[str, Any]:
 
 
 async def _planning(mgr: Any, endpoint: str, src: I64, dst: I64, reps: int) -> dict[str, Any]:
-    """Planning time on the scattered input, measured on the loop thread where the library runs it."""
-    peer = mgr._decode_peers.get(endpoint)
-    if peer is None:
-        return {"error": "decode peer not registered"}
+    """Planning time on the scattered input, measured on the loop thread where the library runs it:
+    ``plan_transfer`` forced direct (``plan_kv_us``) and deciding as ``send_kv`` would
+    (``staging_plan_us``), then the gather copy of a staged plan."""
     plan_t, stage_t = [], []
-    blocks = None
-    decision = None
+    direct = plan = None
     for _ in range(reps):
-        t0 = time.perf_counter()
-        blocks = mgr._plan_kv(peer, src, dst)
-        plan_t.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        decision = mgr._staging_plan(peer, src, dst)
-        stage_t.append(time.perf_counter() - t0)
+        try:
+            t0 = time.perf_counter()
+            direct = mgr.plan_transfer(endpoint, src, dst, staging=False)
+            plan_t.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            plan = mgr.plan_transfer(endpoint, src, dst, staging=None)
+            stage_t.append(time.perf_counter() - t0)
+        except InvalidArgument:
+            return {"error": "decode peer not registered"}
         await asyncio.sleep(0)
     out: dict[str, Any] = {
         "plan_kv_us": median(plan_t) * 1e6,
         "staging_plan_us": median(stage_t) * 1e6,
-        "direct_entries": len(blocks) if blocks is not None else None,
-        "staged": decision is not None,
+        "direct_entries": int(direct.entries) if direct is not None else None,
+        "staged": bool(plan is not None and plan.staged),
     }
-    if decision is not None and mgr._kv_views is not None:
-        s_sl = decision[0]
-        views = [mgr._kv_views[i] for i in peer.pairing.src]
-        counts = [mgr.args.kv[i].num_items for i in peer.pairing.src]
+    if plan is not None and plan.staged and plan.src_slice is not None:
+        s_sl = plan.src_slice
+        kv = [mgr.args.kv[i] for i in plan.src_buffers]
+        views = [host_view(b.ptr, b.nbytes) for b in kv]
+        counts = [b.num_items for b in kv]
         scratch = np.empty(src.size * s_sl.bytes_per_page * len(views), dtype=np.uint8)
         gather_t = []
         for _ in range(max(3, reps // 4)):

@@ -31,6 +31,8 @@ MOONCAKE_DISTS = (
     "mooncake-transfer-engine-cuda13",
 )
 NIXL_DISTS = ("nixl-cu12", "nixl-cu13", "nixl")
+NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
+"""Import names of the NIXL wheels (nixl-cu12, nixl-cu13, and the ``nixl`` meta package), in probe order."""
 MORI_DISTS = ("amd-mori",)
 SYSTEM_LIBS = {  # soname -> Debian package
     "libibverbs.so.1": "libibverbs1",
@@ -118,13 +120,17 @@ _MOONCAKE_PROBE = """
 import json, mooncake, mooncake.engine as m
 print(json.dumps({"file": m.__file__, "flags": {k: bool(getattr(m, k)) for k in dir(m) if k.startswith("SUPPORT_")}}))
 """
-_NIXL_PROBE = """
-import json
-try:
-    import nixl_cu12._api as api; pkg = "nixl_cu12"
-except ImportError:
-    import nixl._api as api; pkg = "nixl"
-print(json.dumps({"file": api.__file__, "package": pkg}))
+_NIXL_PROBE = f"""
+import importlib, importlib.util, json
+pkgs = [p for p in {NIXL_MODULES!r} if importlib.util.find_spec(p) is not None]
+for pkg in pkgs:
+    try:
+        api = importlib.import_module(pkg + "._api")
+        break
+    except ImportError:
+        if pkg == pkgs[-1]:
+            raise
+print(json.dumps({{"file": api.__file__, "package": pkg}}))
 """
 _MORI_PROBE = """
 import json, mori.io as io
@@ -281,9 +287,10 @@ def _check_transport(rep: Report, flags: dict[str, bool] | None) -> None:
 def _check_nixl(rep: Report) -> None:
     dists = _dist_versions(NIXL_DISTS)
     rep.facts["nixl_dists"] = dists
-    if not (_has_module("nixl_cu12") or _has_module("nixl")):
+    if not any(_has_module(m) for m in NIXL_MODULES):
         rep.add("info", "nixl", "nixl is not installed (optional engine)",
-                "pip install --no-deps nixl-cu12   # add torch yourself; the plain install pulls a 5.7 GB CUDA stack")
+                "pip install --no-deps nixl-cu12   # nixl-cu13 on CUDA 13 hosts; add torch yourself: the plain "
+                "install pulls a 5.7 GB CUDA stack")
         return
     wheel = ", ".join(f"{d} {v}" for d, v in dists.items()) or "unknown distribution"
     res = _probe(_NIXL_PROBE)
@@ -310,7 +317,7 @@ def _check_mori(rep: Report) -> None:
 
 
 def _check_python(rep: Report) -> None:
-    core = _dist_versions(("numpy", "pyzmq", "msgspec", "anyio"))
+    core = _dist_versions(("numpy", "pyzmq", "msgspec"))
     rep.facts.update(python=platform.python_version(), platform=platform.platform(), cpus=os.cpu_count(),
                      aiotransfer=__version__, core=core)
     rep.add("ok", "python", f"aiotransfer {__version__} on Python {platform.python_version()} "

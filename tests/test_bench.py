@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiotransfer import _benchreport as report
-from aiotransfer._benchsuite import ALL_PHASES, ENGINES, aux_pattern, make_params, tp_bad_pages, tp_fill
-from aiotransfer.demo import KVPool
+from aiotransfer._cli.suite import report
+from aiotransfer._cli.suite.common import ALL_PHASES, ENGINES, aux_pattern, make_params, tp_bad_pages, tp_fill
+from aiotransfer._cli.workload import KVPool
 
 ROOT = Path(__file__).resolve().parent.parent
 PLOTS = {"bench-throughput.png", "bench-scattered.png", "bench-loop-lag.png", "bench-concurrency.png",
@@ -220,7 +220,7 @@ def test_params_scales() -> None:
 
 _LAST_WORDS = """
 import asyncio
-from aiotransfer.demo import open_parent_channel
+from aiotransfer._cli.channel import open_parent_channel
 
 async def main() -> None:
     chan = await open_parent_channel()

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from aiotransfer import _lag as lag_module
+from aiotransfer._cli.workload import KVPool, PageAllocator, count_bad_pages, fill_pages, make_requests
 from aiotransfer._lag import LoopLagMonitor
-from aiotransfer.demo import KVPool, PageAllocator, count_bad_pages, fill_pages, make_requests
 
 ROOT = Path(__file__).resolve().parent.parent
 

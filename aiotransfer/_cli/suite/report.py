@@ -1,6 +1,6 @@
 """Figures, targets, table and plots of ``python -m aiotransfer bench --suite full``.
 
-Pure functions of the results dictionary written by :mod:`aiotransfer._benchsuite`, so a saved JSON can
+Pure functions of the results dictionary written by :mod:`aiotransfer._cli.suite`, so a saved JSON can
 be re-plotted (``--replot results.json``) without running anything. Plotting imports matplotlib lazily
 (Agg backend); everything else needs only the standard library.
 """
@@ -218,7 +218,7 @@ def evaluate(res: dict[str, Any]) -> list[dict[str, Any]]:
                          f"{s['raw_us_per_entry']:.1f} us/entry)", ceiling, "{:.1f}x", "-", None))
         pl = s.get("planning") or {}
         if pl.get("plan_kv_us") is not None:
-            rows.append(_row("2 scattered", e, "planning: _plan_kv / _staging_plan (us)", pl["plan_kv_us"],
+            rows.append(_row("2 scattered", e, "planning: plan_transfer direct / auto (us)", pl["plan_kv_us"],
                              "{:.0f} / " + f"{pl.get('staging_plan_us', float('nan')):.0f}", "-", None))
     for e, lag in figs["loop_lag"].items():
         a = lag["aiotransfer"]
@@ -425,8 +425,8 @@ def plot_all(res: dict[str, Any], img_dir: str) -> list[str]:
         for e, s in sc.items():
             pl = s.get("planning") or {}
             notes.append(f"{LABELS[e]}: {s['speedup_vs_pages']:.1f}x vs page-by-page, "
-                         f"{s['ratio_vs_contiguous']:.2f}x contiguous; planning _plan_kv "
-                         f"{pl.get('plan_kv_us', float('nan')):.0f} us, _staging_plan "
+                         f"{s['ratio_vs_contiguous']:.2f}x contiguous; planning: direct "
+                         f"{pl.get('plan_kv_us', float('nan')):.0f} us, auto "
                          f"{pl.get('staging_plan_us', float('nan')):.0f} us, gather {pl.get('gather_ms', float('nan')):.1f} ms")
         ax.set_title(f"{any_s['pages']:,} x 4 KiB pages scattered at random on both sides\n"
                      "(targets, Mooncake: >= 8x faster than page-by-page, >= 0.6x the contiguous write)", fontsize=10)

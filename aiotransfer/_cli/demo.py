@@ -1,6 +1,6 @@
 """``python -m aiotransfer demo``: a prefill process moves a Llama-3-8B-shaped KV cache to a decode process.
 
-The CLI process is the prefill; it spawns the decode as ``python -m aiotransfer.demo --role decode`` and
+The CLI process is the prefill; it spawns the decode as ``python -m aiotransfer._cli.demo --role decode`` and
 talks to it with JSON lines on the child's stdin/stdout. Both sides derive the same request list from
 the seed (room, tokens, chunking), so nothing but page indices (sent by aiotransfer itself) crosses
 between them:
@@ -21,404 +21,33 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import contextlib
-import itertools
 import json
 import math
 import os
 import sys
 import time
-import traceback
-from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
-from ._lag import LoopLagMonitor
-
-__all__ = ["DemoRequest", "Geometry", "add_arguments", "main", "make_requests", "run"]
-
-T = TypeVar("T")
-
-_MARK = "@aiotransfer "
-"""Prefix of protocol lines on the child's stdout (anything else there is passed through to stderr)."""
-
-_M1 = np.uint64(0x9E3779B97F4A7C15)
-_M2 = np.uint64(0xBF58476D1CE4E5B9)
-_M3 = np.uint64(0x94D049BB133111EB)
-
-U64 = npt.NDArray[np.uint64]
-I64 = npt.NDArray[np.int64]
-
-
-# ----------------------------------------------------------------------------------------------------
-# geometry, requests and the byte pattern (shared by both sides and by the benchmark)
-# ----------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Geometry:
-    """Layer-first KV cache: ``2 * layers`` buffers (K of every layer, then V), ``pool_pages`` pages each."""
-
-    layers: int = 32
-    page_tokens: int = 16
-    kv_heads: int = 8
-    head_dim: int = 128
-    pool_pages: int = 1024
-    elem_bytes: int = 2
-
-    @property
-    def buffers(self) -> int:
-        return 2 * self.layers
-
-    @property
-    def page_shape(self) -> tuple[int, int, int]:
-        return (self.page_tokens, self.kv_heads, self.head_dim)
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one page in one buffer (Llama-3-8B: 16 x 8 x 128 x 2 = 32 KiB)."""
-        return self.page_tokens * self.kv_heads * self.head_dim * self.elem_bytes
-
-    @property
-    def words(self) -> int:
-        return self.page_bytes // 8
-
-    @property
-    def pool_bytes(self) -> int:
-        return self.buffers * self.pool_pages * self.page_bytes
-
-    def validate(self) -> None:
-        for name in ("layers", "page_tokens", "kv_heads", "head_dim", "pool_pages"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.page_bytes % 8:
-            raise ValueError(f"a page must be a multiple of 8 bytes, got {self.page_bytes}")
-
-
-class KVPool:
-    """One side's KV memory: a single slab holding every buffer, one spare page between buffers.
-
-    ``buffers[b]`` is a C-contiguous ``(pages, *page_shape)`` view (what is registered with the engine);
-    ``words`` is the same memory as ``(nbuf, pages + 1, page_bytes // 8)`` uint64 for vectorised filling
-    and checking. The spare page keeps registered regions from touching each other (aiotransfer's planner
-    merges entries that are adjacent in memory, and Mooncake refuses an entry spanning two regions).
-    """
-
-    def __init__(
-        self, nbuf: int, pages: int, page_shape: tuple[int, ...], dtype: npt.DTypeLike = np.uint16,
-        layer_ids: Sequence[int] | None = None,
-    ) -> None:
-        slab = np.empty((nbuf, pages + 1, *page_shape), dtype=dtype)
-        if slab[0, 0].nbytes % 8:
-            raise ValueError(f"a page must be a multiple of 8 bytes, got {slab[0, 0].nbytes}")
-        self.nbuf = nbuf
-        self.pages = pages
-        self.page_bytes = int(slab[0, 0].nbytes)
-        self.slab = slab
-        self.words: U64 = slab.reshape(nbuf, pages + 1, -1).view(np.uint64)
-        self.buffers = [slab[b, :pages] for b in range(nbuf)]
-        self.layer_ids = list(layer_ids) if layer_ids is not None else None
-
-    @classmethod
-    def for_geometry(cls, geo: Geometry) -> KVPool:
-        """K of every layer, then V of every layer (SGLang's layer-first order)."""
-        return cls(geo.buffers, geo.pool_pages, geo.page_shape, np.uint16,
-                   [b % geo.layers for b in range(geo.buffers)])
-
-    @property
-    def bases(self) -> list[int]:
-        return [int(b.ctypes.data) for b in self.buffers]
-
-    def prefault(self, value: int = 0xA5) -> None:
-        """Touch every page of the slab (as a serving engine's allocator does): a fresh mapping would make
-        the first transfers pay the kernel's page faults. The poison value also exposes missed writes."""
-        self.slab.view(np.uint8).fill(value)
-
-    def poison(self, pages: I64, value: int = 0xA5A5A5A5A5A5A5A5) -> None:
-        """Overwrite ``pages`` of every buffer (one NumPy op per buffer)."""
-        for b in range(self.nbuf):
-            self.words[b, pages] = np.uint64(value)
-
-    def kv_args(self, page_size: int, dtype: str, heads: int = 0) -> Any:
-        from .args import KVArgs
-
-        return KVArgs(self.buffers, page_size=page_size, dtype=dtype, kv_layer_ids=self.layer_ids,
-                      kv_heads=heads, total_kv_heads=heads)
-
-
-@dataclass(frozen=True)
-class DemoRequest:
-    room: int
-    tokens: int
-    pages: int
-    chunks: tuple[int, ...]
-    """Pages per ``send_kv`` call; sums to ``pages``."""
-
-
-def make_requests(
-    seed: int, count: int, min_tokens: int, max_tokens: int, page_tokens: int, max_chunks: int
-) -> list[DemoRequest]:
-    """The request list both sides derive from the seed."""
-    if not 1 <= min_tokens <= max_tokens:
-        raise ValueError("need 1 <= --min-tokens <= --max-tokens")
-    rng = np.random.default_rng([seed, 0xD3110])
-    tokens = rng.integers(min_tokens, max_tokens + 1, size=count)
-    nchunks = rng.integers(1, max(max_chunks, 1) + 1, size=count)
-    base = 1_000_000 + (seed % 1_000_000) * 100_000
-    out = []
-    for i in range(count):
-        pages = math.ceil(int(tokens[i]) / page_tokens)
-        k = min(int(nchunks[i]), pages)
-        cuts = np.sort(rng.choice(np.arange(1, pages), size=k - 1, replace=False)) if k > 1 else np.empty(0, np.int64)
-        bounds = [0, *(int(c) for c in cuts), pages]
-        sizes = tuple(b - a for a, b in itertools.pairwise(bounds))
-        out.append(DemoRequest(base + i, int(tokens[i]), pages, sizes))
-    return out
-
-
-def page_seeds(room: int, buffers: int, npages: int) -> U64:
-    """(buffers, npages) uint64: one 64-bit seed per (room, buffer, page position in the request)."""
-    b = np.arange(buffers, dtype=np.uint64)[:, None]
-    p = np.arange(npages, dtype=np.uint64)[None, :]
-    x = (b * _M2 + p * _M3) ^ (np.full(1, room, dtype=np.uint64) * _M1)
-    x ^= x >> np.uint64(30)
-    x *= _M2
-    x ^= x >> np.uint64(27)
-    x *= _M3
-    x ^= x >> np.uint64(31)
-    out: U64 = x
-    return out
-
-
-def word_ramp(words: int) -> U64:
-    """Added to a page's seed to give every 8-byte word of the page a different value."""
-    ramp: U64 = np.arange(words, dtype=np.uint64) * _M1
-    return ramp
-
-
-def fill_pages(pool: KVPool, room: int, pages: I64) -> None:
-    """Write the pattern of ``room`` into ``pages`` of every buffer (one NumPy op per buffer)."""
-    seeds = page_seeds(room, pool.nbuf, pages.size)
-    ramp = word_ramp(pool.words.shape[2])
-    for b in range(pool.nbuf):
-        pool.words[b, pages] = seeds[b][:, None] + ramp
-
-
-def count_bad_pages(pool: KVPool, room: int, pages: I64) -> int:
-    """(buffer, page) pairs of ``room`` whose bytes differ from the pattern (every byte checked)."""
-    seeds = page_seeds(room, pool.nbuf, pages.size)
-    ramp = word_ramp(pool.words.shape[2])
-    bad = 0
-    for b in range(pool.nbuf):
-        got = pool.words[b, pages]
-        got -= ramp
-        bad += int(np.count_nonzero((got != seeds[b][:, None]).any(axis=1)))
-    return bad
-
-
-class PageAllocator:
-    """Free list handing out pages at random (scattered).
-
-    Allocation is first-come first-served: a request never overtakes an earlier one that is waiting
-    for pages. Both sides allocate rooms in the same order, so the oldest unfinished room always gets
-    its pages on both sides (no cross-process deadlock when the pools are tight).
-    """
-
-    def __init__(self, num_pages: int, rng: np.random.Generator) -> None:
-        self.num_pages = num_pages
-        self._free: I64 = np.arange(num_pages, dtype=np.int64)
-        self._rng = rng
-        self._waiters: deque[tuple[int, asyncio.Future[I64]]] = deque()
-
-    @property
-    def free_pages(self) -> int:
-        return int(self._free.size)
-
-    def _take(self, n: int) -> I64:
-        pick = self._rng.choice(self._free.size, size=n, replace=False)
-        pages = self._free[pick]
-        self._free = np.delete(self._free, pick)
-        return pages
-
-    async def alloc(self, n: int, timeout: float) -> I64:
-        if n > self.num_pages:
-            raise ValueError(f"request of {n} pages exceeds the pool of {self.num_pages}")
-        if not self._waiters and self._free.size >= n:
-            return self._take(n)
-        fut: asyncio.Future[I64] = asyncio.get_running_loop().create_future()
-        entry = (n, fut)
-        self._waiters.append(entry)
-        try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except BaseException:
-            if entry in self._waiters:
-                self._waiters.remove(entry)
-            elif fut.done() and not fut.cancelled():
-                self._free = np.concatenate([self._free, fut.result()])
-            self._serve()
-            raise
-
-    def _serve(self) -> None:
-        while self._waiters and self._free.size >= self._waiters[0][0]:
-            n, fut = self._waiters.popleft()
-            fut.set_result(self._take(n))
-
-    async def release(self, pages: I64) -> None:
-        self._free = np.concatenate([self._free, pages])
-        self._serve()
-
-
-class Worker:
-    """One thread for NumPy work (fill/verify) so the event loop never runs it inline."""
-
-    def __init__(self, name: str) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-
-    async def run(self, fn: Callable[..., T], *args: Any, timeout: float) -> T:
-        fut = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-        return await asyncio.wait_for(fut, timeout)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-# ----------------------------------------------------------------------------------------------------
-# JSON-line channel between the CLI process and its child
-# ----------------------------------------------------------------------------------------------------
-class Channel:
-    """JSON objects, one per line, over a pair of asyncio streams (bounded waits everywhere)."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter | None) -> None:
-        self.reader = reader
-        self.writer = writer
-
-    async def send(self, obj: dict[str, Any], timeout: float = 10.0) -> None:
-        if self.writer is None:
-            raise RuntimeError("channel is read-only")
-        self.writer.write((_MARK + json.dumps(obj) + "\n").encode())
-        await asyncio.wait_for(self.writer.drain(), timeout)
-
-    async def recv(self, timeout: float) -> dict[str, Any] | None:
-        """The next protocol message; None at end of stream. Other lines are echoed to stderr."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise asyncio.TimeoutError
-            line = await asyncio.wait_for(self.reader.readline(), remaining)
-            if not line:
-                return None
-            text = line.decode(errors="replace")
-            if text.startswith(_MARK):
-                msg: dict[str, Any] = json.loads(text[len(_MARK) :])
-                return msg
-            sys.stderr.write(text)
-
-    async def serve(
-        self,
-        handle: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]],
-        *,
-        idle_timeout: float,
-        send_timeout: float = 10.0,
-        trace: bool = False,
-    ) -> None:
-        """Answer commands ``{"cmd": ...}`` with ``handle`` until end of stream or ``idle_timeout`` of silence;
-        a failing command is answered with ``{"event": "error", "message": ...}`` and serving goes on."""
-        while True:
-            try:
-                cmd = await self.recv(idle_timeout)
-            except asyncio.TimeoutError:
-                return
-            if cmd is None:
-                return
-            try:
-                reply = await handle(cmd)
-                reply.update(event="ok", cmd=cmd["cmd"])
-            except Exception as exc:
-                if trace:
-                    traceback.print_exc(file=sys.stderr)
-                reply = {"event": "error", "cmd": cmd.get("cmd"), "message": f"{type(exc).__name__}: {exc}"}
-            await self.send(reply, timeout=send_timeout)
-
-
-class Child:
-    """A child process running ``python -m <module> --role decode ...`` with a :class:`Channel`."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        assert proc.stdout is not None and proc.stdin is not None
-        self.channel = Channel(proc.stdout, proc.stdin)
-
-    @classmethod
-    async def spawn(cls, module: str, argv: Sequence[str]) -> Child:
-        env = dict(os.environ)
-        env.setdefault("MC_LOG_LEVEL", "WARNING")
-        proc = await asyncio.wait_for(asyncio.create_subprocess_exec(
-            sys.executable, "-m", module, "--role", "decode", *argv,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
-            limit=16 * 1024 * 1024,
-        ), 30.0)
-        return cls(proc)
-
-    async def expect(self, event: str, timeout: float) -> dict[str, Any]:
-        msg = await self.channel.recv(timeout)
-        if msg is None:
-            rc = await self.wait(5.0)
-            raise RuntimeError(f"decode process exited (rc={rc}) before sending {event!r}")
-        if msg.get("event") == "error":
-            raise RuntimeError(f"decode process failed: {msg.get('message')}")
-        if msg.get("event") != event:
-            raise RuntimeError(f"decode process sent {msg.get('event')!r}, expected {event!r}")
-        return msg
-
-    async def wait(self, timeout: float) -> int | None:
-        try:
-            return await asyncio.wait_for(self.proc.wait(), timeout)
-        except asyncio.TimeoutError:
-            return None
-
-    async def close(self, timeout: float = 10.0) -> int:
-        """Close its stdin (the child exits on EOF), wait, and kill it if it lingers."""
-        if self.proc.stdin is not None and not self.proc.stdin.is_closing():
-            self.proc.stdin.close()
-        rc = await self.wait(timeout)
-        if rc is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
-            rc = await self.wait(5.0)
-        return -9 if rc is None else rc
-
-
-async def open_parent_channel() -> Channel:
-    """In the child: stdin/stdout as a :class:`Channel`. Native code printing to fd 1 is sent to stderr."""
-    loop = asyncio.get_running_loop()
-    proto = os.fdopen(os.dup(1), "wb", buffering=0)
-    os.dup2(2, 1)
-    reader = asyncio.StreamReader(limit=16 * 1024 * 1024)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, proto)
-    # drain() returns only once the pipe took every byte: a process that exits right after its last
-    # send (a large result) must not lose the tail still buffered in the transport.
-    transport.set_write_buffer_limits(high=0)
-    writer = asyncio.StreamWriter(transport, protocol, None, loop)
-    return Channel(reader, writer)
-
-
-def _cancel(task: asyncio.Task[Any]) -> None:
-    task.cancel()
-
-
-async def watch_eof(channel: Channel, on_eof: Callable[[], None]) -> None:
-    """Call ``on_eof`` when the parent goes away (its end of our stdin closes)."""
-    while True:
-        line = await channel.reader.readline()
-        if not line:
-            on_eof()
-            return
+from aiotransfer import AiotransferError, KVArgs, KVManager, LoopLagMonitor, TransferConfig
+
+from .channel import Child, open_parent_channel, watch_eof
+from .workload import (
+    DemoRequest,
+    Geometry,
+    KVPool,
+    PageAllocator,
+    Worker,
+    count_bad_pages,
+    fill_pages,
+    make_requests,
+)
+
+__all__ = ["add_arguments", "main", "run"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -476,7 +105,7 @@ def _child_argv(ns: argparse.Namespace, peer: str) -> list[str]:
     return argv
 
 
-def _kv_args(pool: KVPool, geo: Geometry) -> Any:
+def _kv_args(pool: KVPool, geo: Geometry) -> KVArgs:
     return pool.kv_args(geo.page_tokens, "uint16", geo.kv_heads)
 
 
@@ -496,9 +125,11 @@ def _gib(n: float) -> str:
 # ----------------------------------------------------------------------------------------------------
 # decode side (child process)
 # ----------------------------------------------------------------------------------------------------
-async def _decode_main(ns: argparse.Namespace) -> int:
-    from . import KVManager, TransferConfig
+def _cancel(task: asyncio.Task[Any]) -> None:
+    task.cancel()
 
+
+async def _decode_main(ns: argparse.Namespace) -> int:
     chan = await open_parent_channel()
     try:
         geo = _geometry(ns)
@@ -586,8 +217,6 @@ async def _decode_main(ns: argparse.Namespace) -> int:
 # prefill side (this process)
 # ----------------------------------------------------------------------------------------------------
 async def _prefill_main(ns: argparse.Namespace) -> dict[str, Any]:
-    from . import KVManager, TransferConfig
-
     geo = _geometry(ns)
     reqs = _requests(ns, geo)
     total_bytes = sum(r.pages for r in reqs) * geo.buffers * geo.page_bytes
@@ -611,7 +240,7 @@ async def _prefill_main(ns: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
     async with KVManager(_kv_args(pool, geo), cfg) as mgr:
         info = mgr.describe()
-        child = await Child.spawn("aiotransfer.demo", _child_argv(ns, mgr.endpoint))
+        child = await Child.spawn("aiotransfer._cli.demo", _child_argv(ns, mgr.endpoint))
         try:
             ready = await child.expect("ready", 60.0)
             print(f"  prefill {mgr.endpoint} (session {info.get('session_id')}, transport "
@@ -782,8 +411,6 @@ def run(ns: argparse.Namespace) -> int:
         print(f"aiotransfer demo: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
-        from .errors import AiotransferError
-
         if isinstance(exc, AiotransferError | RuntimeError | ImportError | asyncio.TimeoutError):
             print(f"aiotransfer demo failed: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 2 if not isinstance(exc, asyncio.TimeoutError) else 1
@@ -806,7 +433,7 @@ def _write_json(path: str, obj: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m aiotransfer.demo", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m aiotransfer._cli.demo", description=__doc__.split("\n")[0])
     add_arguments(p)
     return run(p.parse_args(argv))
 

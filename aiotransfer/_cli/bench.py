@@ -1,9 +1,9 @@
 """``python -m aiotransfer bench``: raw Mooncake against aiotransfer, same engine, same buffers, same run.
 
-``--suite full`` runs the performance suite instead (:mod:`aiotransfer._benchsuite`: every engine, JSON
+``--suite full`` runs the performance suite instead (:mod:`aiotransfer._cli.suite`: every engine, JSON
 and PNG plots, a table of targets); what follows describes the default suite (issue 2's figures).
 
-The CLI process is the prefill; it spawns the decode as ``python -m aiotransfer.bench --role decode`` and
+The CLI process is the prefill; it spawns the decode as ``python -m aiotransfer._cli.bench --role decode`` and
 drives it with JSON lines. For each figure both sides build a :class:`~aiotransfer.KVManager` over the
 figure's buffers; the *raw* numbers call the prefill manager's own native engine (``mgr.engine.raw()``,
 a ``mooncake.engine.TransferEngine``) on a plain thread, writing into the decode manager's registered
@@ -38,7 +38,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import datetime
-import functools
 import json
 import os
 import platform
@@ -51,23 +50,16 @@ from typing import Any
 
 import numpy as np
 
-from ._lag import LoopLagMonitor
-from .demo import (
-    I64,
-    Child,
-    KVPool,
-    count_bad_pages,
-    fill_pages,
-    make_requests,
-    open_parent_channel,
-)
+from aiotransfer import AiotransferError, KVManager, LoopLagMonitor, TransferConfig
+
+from .channel import Child, open_parent_channel
+from .raw import MAX_BATCH, RAW_STYLES, SAME_CALL, Batch, RawFn, native_engine
+from .workload import I64, KVPool, count_bad_pages, fill_pages, make_requests
 
 __all__ = ["add_arguments", "main", "run"]
 
 _TIMEOUT = 120.0
 """Bound on any single step (one transfer, one decode command)."""
-_MAX_BATCH = 1024
-"""Largest raw batch: Mooncake rejects beyond ~2,048 entries queued per peer."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -80,7 +72,7 @@ class Transfer:
     src: I64
     dst: I64
     tag: int
-    """Pattern seed (the ``room`` of :func:`~aiotransfer.demo.fill_pages`)."""
+    """Pattern seed (the ``room`` of :func:`~aiotransfer._cli.workload.fill_pages`)."""
 
 
 @dataclass
@@ -164,7 +156,7 @@ def _figure_by_key(ns: argparse.Namespace, key: str) -> Figure:
 
 
 # ----------------------------------------------------------------------------------------------------
-# raw Mooncake (runs on a plain thread; times measured inside the thread around the native calls)
+# raw entries (what an expert hand-codes; the calls are in .raw)
 # ----------------------------------------------------------------------------------------------------
 def _entries(fig: Figure, t: Transfer, src_bases: Sequence[int], dst_bases: Sequence[int]) -> tuple[
     list[int], list[int], list[int]
@@ -191,92 +183,15 @@ def _entries(fig: Figure, t: Transfer, src_bases: Sequence[int], dst_bases: Sequ
     return src, dst, length
 
 
-def _chunks(src: list[int], dst: list[int], length: list[int]) -> list[tuple[list[int], list[int], list[int]]]:
-    return [(src[i : i + _MAX_BATCH], dst[i : i + _MAX_BATCH], length[i : i + _MAX_BATCH])
-            for i in range(0, len(src), _MAX_BATCH)]
-
-
-def _raw_sync_write(e: Any, target: str, batches: list[tuple[list[int], list[int], list[int]]]) -> float:
-    t0 = time.perf_counter()
-    for s, d, n in batches:
-        for k in range(len(s)):
-            if e.transfer_sync_write(target, s[k], d[k], n[k]) != 0:
-                raise RuntimeError("transfer_sync_write failed")
-    return time.perf_counter() - t0
-
-
-def _raw_batch_sync(e: Any, target: str, batches: list[tuple[list[int], list[int], list[int]]]) -> float:
-    t0 = time.perf_counter()
-    for s, d, n in batches:
-        if e.batch_transfer_sync_write(target, s, d, n) != 0:
-            raise RuntimeError(f"batch_transfer_sync_write of {len(s)} entries failed")
-    return time.perf_counter() - t0
-
-
-def _raw_submit(
-    e: Any, target: str, batches: list[tuple[list[int], list[int], list[int]]], pause: float = 0.0
-) -> float:
-    """``transfer_submit_write`` per entry, then ``transfer_check_status`` until done: spinning when
-    ``pause`` is 0, else sleeping ``pause`` seconds between checks (no spinning core)."""
-    t0 = time.perf_counter()
-    for s, d, n in batches:
-        for k in range(len(s)):
-            bid = e.transfer_submit_write(target, s[k], d[k], n[k])
-            if not bid:
-                raise RuntimeError("transfer_submit_write refused")
-            while (rc := e.transfer_check_status(bid)) == 0:
-                if pause:
-                    time.sleep(pause)
-            if rc != 1:
-                raise RuntimeError(f"transfer_check_status -> {rc}")
-    return time.perf_counter() - t0
-
-
-def _raw_batch_async(e: Any, target: str, batches: list[tuple[list[int], list[int], list[int]]]) -> float:
-    t0 = time.perf_counter()
-    for s, d, n in batches:
-        bid = e.batch_transfer_async_write(target, s, d, n)
-        if not bid:
-            raise RuntimeError("batch_transfer_async_write refused")
-        if e.get_batch_transfer_status([bid]) != 0:  # exactly once per id (it frees the id)
-            raise RuntimeError(f"batch of {len(s)} entries failed")
-    return time.perf_counter() - t0
-
-
-RawFn = Callable[[Any, str, list[tuple[list[int], list[int], list[int]]]], float]
-SAME_CALL = {
-    "single": "transfer_submit_write+check_status every 0.5 ms",
-    "runs": "batch_transfer_async_write+get_batch_transfer_status",
-    "pages": "batch_transfer_async_write+get_batch_transfer_status (<=1024/batch)",
-}
-"""The raw style matching what aiotransfer's Mooncake adapter calls (a like-for-like ratio, free of the
-upward bias of picking the best of several noisy raw medians)."""
-
-RAW_STYLES: dict[str, dict[str, RawFn]] = {
-    "single": {
-        "transfer_sync_write": _raw_sync_write,
-        "batch_transfer_sync_write": _raw_batch_sync,
-        "transfer_submit_write+check_status spin": _raw_submit,
-        "transfer_submit_write+check_status every 0.5 ms": functools.partial(_raw_submit, pause=0.0005),
-        "batch_transfer_async_write+get_batch_transfer_status": _raw_batch_async,
-    },
-    "runs": {
-        "batch_transfer_sync_write": _raw_batch_sync,
-        "batch_transfer_async_write+get_batch_transfer_status": _raw_batch_async,
-    },
-    "pages": {
-        "batch_transfer_sync_write (<=1024/batch)": _raw_batch_sync,
-        "batch_transfer_async_write+get_batch_transfer_status (<=1024/batch)": _raw_batch_async,
-    },
-}
+def _chunks(src: list[int], dst: list[int], length: list[int]) -> list[Batch]:
+    return [(src[i : i + MAX_BATCH], dst[i : i + MAX_BATCH], length[i : i + MAX_BATCH])
+            for i in range(0, len(src), MAX_BATCH)]
 
 
 # ----------------------------------------------------------------------------------------------------
 # decode side (child process)
 # ----------------------------------------------------------------------------------------------------
 async def _decode_main(ns: argparse.Namespace) -> int:
-    from . import KVManager, TransferConfig
-
     chan = await open_parent_channel()
     cfg = TransferConfig(engine=ns.engine, hostname=ns.host, staging=ns.staging)
     worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bench-verify")
@@ -367,8 +282,6 @@ def _gbps(nbytes: int, seconds: float) -> float:
 async def _run_figure(
     ns: argparse.Namespace, fig: Figure, decode: _Decode, rooms: list[int], raw_pool: concurrent.futures.Executor,
 ) -> dict[str, Any]:
-    from . import KVManager, TransferConfig
-
     loop = asyncio.get_running_loop()
     pool = KVPool(fig.nbuf, fig.pages, fig.page_shape)
 
@@ -382,13 +295,13 @@ async def _run_figure(
     lag_aio = LoopLagMonitor()
     lag_raw = LoopLagMonitor()
     async with KVManager(pool.kv_args(fig.page_size, "uint16"), cfg) as mgr:
-        native = getattr(mgr.engine, "raw", lambda: None)()
+        native = native_engine(mgr)
         if native is None:
             raise RuntimeError(f"bench compares against raw Mooncake; engine {ns.engine!r} has no raw() handle")
         info = await decode.call({"cmd": "setup", "figure": fig.key, "peer": mgr.endpoint})
         target, dst_bases = info["session_id"], info["bases"]
 
-        def plan() -> list[list[tuple[list[int], list[int], list[int]]]]:
+        def plan() -> list[list[Batch]]:
             return [_chunks(*_entries(fig, t, pool.bases, dst_bases)) for t in fig.transfers]
 
         batches = await asyncio.wait_for(loop.run_in_executor(raw_pool, plan), _TIMEOUT)
@@ -493,7 +406,7 @@ async def _bench_main(ns: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
     idle = LoopLagMonitor()
     t_start = time.perf_counter()
-    child = await Child.spawn("aiotransfer.bench", argv)
+    child = await Child.spawn("aiotransfer._cli.bench", argv)
     try:
         decode = _Decode(child)
         async with idle:
@@ -612,7 +525,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(ns: argparse.Namespace) -> int:
     """Entry point of ``python -m aiotransfer bench``; returns the exit code."""
     if getattr(ns, "suite", "default") == "full":
-        from ._benchsuite import run_suite
+        from .suite.run import run_suite
 
         ns.repeats_given = ns.repeats
         return run_suite(ns)
@@ -632,8 +545,6 @@ def run(ns: argparse.Namespace) -> int:
             return asyncio.run(_decode_main(ns))
         except KeyboardInterrupt:
             return 130
-    from .errors import AiotransferError
-
     try:
         res = asyncio.run(_bench_main(ns))
     except (AiotransferError, RuntimeError, ValueError, ImportError, asyncio.TimeoutError) as exc:
@@ -651,7 +562,7 @@ def run(ns: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m aiotransfer.bench", description=(__doc__ or "").split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m aiotransfer._cli.bench", description=(__doc__ or "").split("\n")[0])
     add_arguments(p)
     return run(p.parse_args(argv))
 

@@ -1,4 +1,4 @@
-"""``aiotransfer`` / ``python -m aiotransfer``: ``demo``, ``bench`` and ``doctor``.
+"""``python -m aiotransfer doctor``: which engines load, which transport, what is missing (and the fix).
 
 ``doctor`` probes every engine in a child interpreter (a broken native library cannot take the CLI down,
 and nothing heavy is imported here), predicts which transport Mooncake will install, looks for the
@@ -21,7 +21,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["main"]
+from aiotransfer import ConfigError, __version__
+
+__all__ = ["add_arguments", "doctor"]
 
 MOONCAKE_DISTS = (
     "mooncake-transfer-engine-non-cuda",
@@ -29,6 +31,8 @@ MOONCAKE_DISTS = (
     "mooncake-transfer-engine-cuda13",
 )
 NIXL_DISTS = ("nixl-cu12", "nixl-cu13", "nixl")
+NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
+"""Import names of the NIXL wheels (nixl-cu12, nixl-cu13, and the ``nixl`` meta package), in probe order."""
 MORI_DISTS = ("amd-mori",)
 SYSTEM_LIBS = {  # soname -> Debian package
     "libibverbs.so.1": "libibverbs1",
@@ -42,9 +46,6 @@ ENV_KEYS = (
 _PROBE_TIMEOUT = 60.0
 
 
-# ----------------------------------------------------------------------------------------------------
-# doctor
-# ----------------------------------------------------------------------------------------------------
 @dataclass
 class Finding:
     """One line of the report. ``level``: ok | info | warn | error; warn and error are problems."""
@@ -119,13 +120,17 @@ _MOONCAKE_PROBE = """
 import json, mooncake, mooncake.engine as m
 print(json.dumps({"file": m.__file__, "flags": {k: bool(getattr(m, k)) for k in dir(m) if k.startswith("SUPPORT_")}}))
 """
-_NIXL_PROBE = """
-import json
-try:
-    import nixl_cu12._api as api; pkg = "nixl_cu12"
-except ImportError:
-    import nixl._api as api; pkg = "nixl"
-print(json.dumps({"file": api.__file__, "package": pkg}))
+_NIXL_PROBE = f"""
+import importlib, importlib.util, json
+pkgs = [p for p in {NIXL_MODULES!r} if importlib.util.find_spec(p) is not None]
+for pkg in pkgs:
+    try:
+        api = importlib.import_module(pkg + "._api")
+        break
+    except ImportError:
+        if pkg == pkgs[-1]:
+            raise
+print(json.dumps({{"file": api.__file__, "package": pkg}}))
 """
 _MORI_PROBE = """
 import json, mori.io as io
@@ -237,8 +242,7 @@ def _check_transport(rep: Report, flags: dict[str, bool] | None) -> None:
     protocol = env.get("AIOTRANSFER_PROTOCOL") or env.get("MOONCAKE_PROTOCOL") or "rdma"
     rep.facts["mooncake_protocol"] = protocol
     if flags is not None:
-        from .engines.mooncake import select_mooncake_setup
-        from .errors import ConfigError
+        from aiotransfer.engines.mooncake import select_mooncake_setup
 
         try:
             select_mooncake_setup(
@@ -249,7 +253,7 @@ def _check_transport(rep: Report, flags: dict[str, bool] | None) -> None:
             rep.add("error", "transport", str(exc), "unset MOONCAKE_PROTOCOL, or install the build it names; "
                     "on CPU hosts use TransferConfig(engine='mooncake_tcp')")
     if flags is not None and engine != "mooncake_tcp" and not force_hca:
-        from .engines.mooncake import installed_transport
+        from aiotransfer.engines.mooncake import installed_transport
 
         try:
             exact = installed_transport(protocol, flags, env, bool(devices))
@@ -283,9 +287,10 @@ def _check_transport(rep: Report, flags: dict[str, bool] | None) -> None:
 def _check_nixl(rep: Report) -> None:
     dists = _dist_versions(NIXL_DISTS)
     rep.facts["nixl_dists"] = dists
-    if not (_has_module("nixl_cu12") or _has_module("nixl")):
+    if not any(_has_module(m) for m in NIXL_MODULES):
         rep.add("info", "nixl", "nixl is not installed (optional engine)",
-                "pip install --no-deps nixl-cu12   # add torch yourself; the plain install pulls a 5.7 GB CUDA stack")
+                "pip install --no-deps nixl-cu12   # nixl-cu13 on CUDA 13 hosts; add torch yourself: the plain "
+                "install pulls a 5.7 GB CUDA stack")
         return
     wheel = ", ".join(f"{d} {v}" for d, v in dists.items()) or "unknown distribution"
     res = _probe(_NIXL_PROBE)
@@ -312,9 +317,7 @@ def _check_mori(rep: Report) -> None:
 
 
 def _check_python(rep: Report) -> None:
-    from . import __version__
-
-    core = _dist_versions(("numpy", "pyzmq", "msgspec", "anyio"))
+    core = _dist_versions(("numpy", "pyzmq", "msgspec"))
     rep.facts.update(python=platform.python_version(), platform=platform.platform(), cpus=os.cpu_count(),
                      aiotransfer=__version__, core=core)
     rep.add("ok", "python", f"aiotransfer {__version__} on Python {platform.python_version()} "
@@ -356,41 +359,7 @@ def doctor(ns: argparse.Namespace) -> int:
     return 1 if ns.strict and rep.problems else 0
 
 
-# ----------------------------------------------------------------------------------------------------
-# entry point
-# ----------------------------------------------------------------------------------------------------
-def _summary(doc: str | None) -> str:
-    """First paragraph of a module docstring, without its ``python -m ...``: prefix."""
-    first = (doc or "").split("\n\n")[0].replace("\n", " ")
-    return first.split("``: ", 1)[-1]
-
-
-def _parser() -> argparse.ArgumentParser:
-    from . import bench, demo
-
-    p = argparse.ArgumentParser(prog="aiotransfer", description="asyncio-native KV-cache transfer: tools")
-    sub = p.add_subparsers(dest="command", metavar="{demo,bench,doctor}")
-    sub.required = True
-    d = sub.add_parser("demo", help="prefill -> decode KV-cache transfer between two local processes",
-                       description=_summary(demo.__doc__))
-    demo.add_arguments(d)
-    d.set_defaults(func=demo.run)
-    b = sub.add_parser("bench", help="raw Mooncake vs aiotransfer, same engine, same run",
-                       description=_summary(bench.__doc__))
-    bench.add_arguments(b)
-    b.set_defaults(func=bench.run)
-    doc = sub.add_parser("doctor", help="which engines load, which transport, what is missing (and the fix)")
-    doc.add_argument("--strict", action="store_true", help="exit 1 when a problem is found")
-    doc.add_argument("--json", action="store_true", help="machine-readable output")
-    doc.add_argument("-v", "--verbose", action="store_true", help="show suggestions for informational lines too")
-    doc.set_defaults(func=doctor)
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    ns = _parser().parse_args(argv)
-    try:
-        rc: int = ns.func(ns)
-    except KeyboardInterrupt:
-        return 130
-    return rc
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--strict", action="store_true", help="exit 1 when a problem is found")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("-v", "--verbose", action="store_true", help="show suggestions for informational lines too")

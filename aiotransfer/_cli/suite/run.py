@@ -1,0 +1,161 @@
+"""The suite's orchestrator (the CLI process): one pair of worker processes per engine configuration,
+the results merged, the targets evaluated, the table printed and the plots drawn. It imports no engine."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from ..channel import Child
+from . import report
+from .common import ALL_PHASES, ENGINES, MIB, EngineSpec, Params, make_params
+
+__all__ = ["run_suite"]
+
+
+def _dist_version(dist: str) -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _nixl_available() -> bool:
+    return any(importlib.util.find_spec(m) is not None for m in ("nixl_cu12", "nixl_cu13", "nixl"))
+
+
+async def _run_pair(spec: EngineSpec, params: Params, ceilings: bool, timeout: float) -> dict[str, Any]:
+    env = dict(os.environ)
+    for k in spec.unset:
+        env.pop(k, None)
+    env.update(spec.env)
+    env.setdefault("MC_LOG_LEVEL", "ERROR")
+    argv = [sys.executable, "-m", "aiotransfer._cli.suite.worker", "--role", "prefill", "--engine-key", spec.key,
+            "--params", params.to_json()]
+    if ceilings:
+        argv.append("--ceilings")
+    proc = await asyncio.wait_for(asyncio.create_subprocess_exec(
+        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env, limit=64 * MIB,
+    ), 30.0)
+    child = Child(proc)
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            msg = await child.channel.recv(max(deadline - loop.time(), 0.001))
+            if msg is None:
+                raise RuntimeError(f"{spec.key} prefill worker exited (rc={await child.wait(5.0)}) without a result")
+            if msg.get("event") == "progress":
+                print(f"  {msg['message']}", file=sys.stderr, flush=True)
+            elif msg.get("event") == "result":
+                res: dict[str, Any] = msg["result"]
+                return res
+    finally:
+        await child.close(30.0)
+
+
+async def _suite_main(params: Params, engines: Sequence[str], quick: bool) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    load_at_start = list(os.getloadavg())
+    results: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
+    ceilings: dict[str, Any] | None = None
+    timeout = 900.0 if params.scale != "full" else 3600.0
+    want_ceilings = params.phases is None or "ceilings" in params.phases
+    for key in engines:
+        spec = ENGINES[key]
+        if spec.engine == "nixl" and not _nixl_available():
+            skipped[key] = "NIXL is not installed (pip install --no-deps nixl-cu12)"
+            continue
+        print(f"{spec.label} ({key}) ...", file=sys.stderr, flush=True)
+        try:
+            res = await _run_pair(spec, params, want_ceilings and ceilings is None, timeout)
+        except (RuntimeError, asyncio.TimeoutError) as exc:
+            results[key] = {"label": spec.label, "phases": {}, "error": f"{type(exc).__name__}: {exc}"}
+            continue
+        if "ceilings" in res["phases"]:
+            ceilings = res["phases"].pop("ceilings")
+            ceilings["measured_by"] = key
+        results[key] = res
+    versions = {d: _dist_version(d) for d in ("mooncake-transfer-engine-non-cuda", "nixl-cu12", "numpy", "pyzmq")}
+    return {
+        "suite": "full",
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "load_avg_at_start": load_at_start, "load_avg_at_end": list(os.getloadavg()),
+                    "versions": versions},
+        "quick": quick,
+        "params": asdict(params),
+        "note": "GB/s = 1e9 B/s; medians of the repeats; raw and aiotransfer alternate in the same pair of "
+                "processes; ratio = aiotransfer GB/s / raw GB/s (> 1: aiotransfer faster). This machine kind is "
+                "noisy: +-20 % between runs.",
+        "ceilings": ceilings,
+        "engines": results,
+        "skipped": skipped,
+        "wall_s": round(time.perf_counter() - t_start, 2),
+    }
+
+
+def run_suite(ns: argparse.Namespace) -> int:
+    """``python -m aiotransfer bench --suite full``: run, write JSON + PNGs, print the table."""
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    out = ns.out or "bench-results/full.json"
+    if ns.replot:
+        with open(ns.replot) as fh:
+            res = json.load(fh)
+    else:
+        engines = [e.strip() for e in (ns.engines or ",".join(ENGINES)).split(",") if e.strip()]
+        unknown = [e for e in engines if e not in ENGINES]
+        phases = [x.strip() for x in ns.phases.split(",")] if ns.phases else None
+        if unknown or (phases and any(x not in ALL_PHASES for x in phases)):
+            print(f"aiotransfer bench: engines are {', '.join(ENGINES)}; phases are {', '.join(ALL_PHASES)}",
+                  file=sys.stderr)
+            return 2
+        params = make_params(quick=ns.quick, tiny=ns.tiny, repeats=ns.repeats_given, seed=ns.seed, host=ns.host,
+                             phases=phases, tp_split_credits=not ns.tp_library_credits,
+                             engine_threads=ns.engine_threads,
+                             nixl_progress_delay_us=ns.nixl_progress_delay_us)
+        try:
+            res = asyncio.run(_suite_main(params, engines, ns.quick or ns.tiny))
+        except KeyboardInterrupt:
+            return 130
+    res["figures"] = report.derive(res)
+    res["targets"] = report.evaluate(res)
+    res["images"] = []
+    if ns.img_dir:
+        try:
+            res["images"] = report.plot_all(res, ns.img_dir)
+        except ImportError as exc:
+            print(f"plots skipped: {exc} (pip install matplotlib)", file=sys.stderr)
+    print(report.table(res))
+    if not ns.replot or ns.out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out + ".tmp", "w") as fh:
+            json.dump(res, fh, indent=1)
+            fh.write("\n")
+        os.replace(out + ".tmp", out)
+        md = os.path.splitext(out)[0] + ".md"
+        with open(md, "w") as fh:
+            fh.write(report.markdown_table(res) + "\n")
+        print(f"results written to {out} (table for the docs: {md})")
+    if ns.img_dir and res.get("images"):
+        print(f"plots written to {ns.img_dir}: {', '.join(os.path.basename(x) for x in res['images'])}")
+    errors = [f"{k}.{ph}" for k, e in res["engines"].items() for ph, r in e.get("phases", {}).items()
+              if isinstance(r, dict) and r.get("error")]
+    errors += [k for k, e in res["engines"].items() if e.get("error")]
+    if errors:
+        print(f"aiotransfer bench: phases failed: {', '.join(errors)}", file=sys.stderr)
+        return 1
+    return 0

@@ -9,6 +9,7 @@ is given and a problem was found.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib.metadata
 import importlib.util
 import json
@@ -242,7 +243,7 @@ def _check_transport(rep: Report, flags: dict[str, bool] | None) -> None:
     protocol = env.get("AIOTRANSFER_PROTOCOL") or env.get("MOONCAKE_PROTOCOL") or "rdma"
     rep.facts["mooncake_protocol"] = protocol
     if flags is not None:
-        from aiotransfer.engines.mooncake import select_mooncake_setup
+        from aiotransfer.engines.mooncake_setup import select_mooncake_setup
 
         try:
             select_mooncake_setup(
@@ -253,7 +254,7 @@ def _check_transport(rep: Report, flags: dict[str, bool] | None) -> None:
             rep.add("error", "transport", str(exc), "unset MOONCAKE_PROTOCOL, or install the build it names; "
                     "on CPU hosts use TransferConfig(engine='mooncake_tcp')")
     if flags is not None and engine != "mooncake_tcp" and not force_hca:
-        from aiotransfer.engines.mooncake import installed_transport
+        from aiotransfer.engines.mooncake_setup import installed_transport
 
         try:
             exact = installed_transport(protocol, flags, env, bool(devices))
@@ -316,6 +317,34 @@ def _check_mori(rep: Report) -> None:
     rep.add("ok", "mori", f"mori.io imports ({', '.join(f'{d} {v}' for d, v in dists.items()) or 'unknown'})")
 
 
+def _cuda_major() -> int | None:
+    """The CUDA major version the NVIDIA driver supports (``cuDriverGetVersion``), or None without one."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int(0)
+        if lib.cuDriverGetVersion(ctypes.byref(version)) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return version.value // 1000 or None
+
+
+def _check_wheels(rep: Report) -> None:
+    """Which Mooncake and NIXL wheels fit this host's CUDA (the extras cannot detect it)."""
+    from aiotransfer.engines.mooncake_setup import recommended_wheels
+
+    cuda = _cuda_major()
+    rep.facts["cuda_major"] = cuda
+    try:
+        choice = recommended_wheels(cuda)
+    except ConfigError as exc:
+        rep.add("error", "wheels", str(exc))
+        return
+    host = f"CUDA {cuda}" if cuda is not None else "no NVIDIA driver"
+    rep.add("info", "wheels", f"for this host ({host}): Mooncake {choice.mooncake}, NIXL {choice.nixl}",
+            f"{choice.mooncake_pip}; {choice.nixl_pip}")
+
+
 def _check_python(rep: Report) -> None:
     core = _dist_versions(("numpy", "pyzmq", "msgspec"))
     rep.facts.update(python=platform.python_version(), platform=platform.platform(), cpus=os.cpu_count(),
@@ -339,6 +368,7 @@ def doctor(ns: argparse.Namespace) -> int:
     _check_transport(rep, flags)
     _check_nixl(rep)
     _check_mori(rep)
+    _check_wheels(rep)
     if ns.json:
         print(json.dumps({"findings": [asdict(f) for f in rep.findings], "facts": rep.facts,
                           "problems": len(rep.problems)}, indent=2))

@@ -14,7 +14,7 @@ import re
 from collections import Counter
 from typing import Any, Protocol
 
-__all__ = ["BUCKETS", "Histogram", "PrometheusExporter", "failure_category"]
+__all__ = ["BUCKETS", "Histogram", "Metrics", "PrometheusExporter", "failure_category"]
 
 BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,

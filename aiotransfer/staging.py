@@ -33,7 +33,7 @@ import numpy as np
 
 from .errors import InvalidArgument, TransferTimeout
 
-__all__ = ["StagingArena", "choose_staging", "gather_pages", "host_view", "scatter_pages"]
+__all__ = ["RowSlice", "StagingArena", "choose_staging", "gather_pages", "host_view", "scatter_pages"]
 
 _ALIGN = 64
 

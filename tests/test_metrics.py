@@ -39,12 +39,12 @@ async def test_stats_and_prometheus_after_transfers(prefill: KVManager, decode: 
     stats = prefill.stats()
     assert stats["latency"]["send_kv"]["count"] == 1
     assert stats["latency"]["room_tx"]["count"] == 2
-    assert stats["failures_by_reason"] == {"operator_said_no": 1}
+    assert stats["failures_by_reason"] == {"aborted_by_prefill": 1}  # the reason says which side aborted
     assert stats["rooms_sent_success"] == 1 and stats["rooms_sent_failed"] == 1
     registry = CollectorRegistry()
     PrometheusExporter(prefill, registry=registry, labels={"role": "prefill"}).register()
     text = generate_latest(registry).decode()
     assert 'aiotransfer_events_total{event="kv_bytes_sent",role="prefill"}' in text
-    assert 'aiotransfer_failures_total{reason="operator_said_no",role="prefill"} 1.0' in text
+    assert 'aiotransfer_failures_total{reason="aborted_by_prefill",role="prefill"} 1.0' in text
     assert 'aiotransfer_latency_seconds_count{op="send_kv",role="prefill"} 1.0' in text
     assert 'aiotransfer_state{role="prefill",what="senders_active"} 0.0' in text

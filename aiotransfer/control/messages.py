@@ -15,6 +15,7 @@ from ..errors import ProtocolError
 __all__ = [
     "PROTOCOL_VERSION",
     "Abort",
+    "validate",
     "Drained",
     "Ping",
     "Pong",

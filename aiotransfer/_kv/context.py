@@ -13,7 +13,7 @@ import logging
 import secrets
 from collections import Counter
 from collections.abc import Coroutine, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -95,21 +95,15 @@ class RankContext:
     # -- what start() provides ------------------------------------------------------------------
     @property
     def engine(self) -> TransferEngine:
-        if self.engine_or_none is None:
-            raise ClosedError("manager is not started: use 'async with KVManager(...)' or 'await mgr.start()'")
-        return self.engine_or_none
+        return _started(self.engine_or_none)
 
     @property
     def poller(self) -> Poller:
-        if self.poller_or_none is None:
-            raise ClosedError("manager is not started: use 'async with KVManager(...)' or 'await mgr.start()'")
-        return self.poller_or_none
+        return _started(self.poller_or_none)
 
     @property
     def control(self) -> ControlPlane:
-        if self.control_or_none is None:
-            raise ClosedError("manager is not started: use 'async with KVManager(...)' or 'await mgr.start()'")
-        return self.control_or_none
+        return _started(self.control_or_none)
 
     @property
     def endpoint(self) -> str:
@@ -138,7 +132,7 @@ class RankContext:
         if self.closed:
             raise ClosedError("manager is closed")
         if not self.started:
-            raise ClosedError("manager is not started: use 'async with KVManager(...)' or 'await mgr.start()'")
+            raise ClosedError(_NOT_STARTED)
 
     # -- tasks and messages ---------------------------------------------------------------------
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
@@ -188,6 +182,17 @@ class RankContext:
             and self.engine_or_none.traits.quiet_threads
             and (self.poller_or_none is None or self.poller_or_none.in_flight == 0)
         )
+
+
+_NOT_STARTED = "manager is not started: use 'async with KVManager(...)' or 'await mgr.start()'"
+_T = TypeVar("_T")
+
+
+def _started(part: _T | None) -> _T:
+    """What ``start()`` creates, or ClosedError before it."""
+    if part is None:
+        raise ClosedError(_NOT_STARTED)
+    return part
 
 
 def validate_state_indices(

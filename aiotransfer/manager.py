@@ -110,7 +110,7 @@ class KVManager:
         self._leader = BootstrapLeader(ctx)
         p, c, d = self._prefill, self._client, self._decode
         self._handlers: dict[type[Any], Callable[[Any], None]] = {
-            Ping: self._on_ping, Pong: self._on_pong,
+            Ping: self._on_ping, Pong: lambda m: self._liveness.incarnation(m.endpoint, m.incarnation),
             Hello: p.on_hello, HelloAck: c.on_hello_ack, TransferRequest: p.on_request, Abort: self._on_abort,
             Status: d.on_status, AuxData: d.on_aux,
             TopologyQuery: self._leader.on_query, Topology: c.on_topology, RankRegister: self._leader.on_register,
@@ -272,6 +272,8 @@ class KVManager:
     def stats(self) -> dict[str, Any]:
         """Counters: rooms, bytes, dropped control messages by cause, engine handles in flight."""
         ctx = self._ctx
+        open_pages = sum(t.num_pages or 0 for t in self._senders.values()) + sum(
+            int(r.pages.size) for r in self._receivers.values() if r.pages is not None)
         c, p, arena = ctx.control_or_none, ctx.poller_or_none, ctx.arena
         return {
             "senders_active": len(self._senders),
@@ -289,7 +291,7 @@ class KVManager:
             "open_sockets": c.open_sockets if c else 0,
             "dead_peers": len(self._liveness.dead),
             "staging_bytes_in_use": arena.in_use if arena is not None else 0,
-            **self._life.stats(sum(b.item_len for b in self.args.kv)),
+            **self._life.stats(sum(b.item_len for b in self.args.kv), open_pages),
             **dict(ctx.counters),
             **ctx.metrics.snapshot(),
         }
@@ -433,9 +435,6 @@ class KVManager:
     def _on_ping(self, msg: Ping) -> None:
         pong = Pong(endpoint=self.endpoint, nonce=msg.nonce, incarnation=self.generation)
         self._ctx.spawn(self._ctx.reply(msg.endpoint, pong), "pong")
-
-    def _on_pong(self, msg: Pong) -> None:
-        self._liveness.incarnation(msg.endpoint, msg.incarnation)
 
     def _on_abort(self, msg: Abort) -> None:
         if self._prefill.on_abort(msg):

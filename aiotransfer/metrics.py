@@ -89,6 +89,14 @@ class Metrics:
         }
 
 
+_GAUGES = frozenset({
+    "senders_active", "receivers_active", "in_flight", "pinned_bytes", "open_sockets", "decode_peers",
+    "prefill_peers", "pending_requests", "dead_peers", "staging_bytes_in_use", "rooms_awaiting_release",
+    "engine_holds_pending",
+})
+"""Stats that are a current level (exported as gauges); ``pages_*`` and ``bytes_*`` are too."""
+
+
 class _Observed(Protocol):
     """What the exporter reads: a manager's stats and histograms."""
 
@@ -130,8 +138,7 @@ class PrometheusExporter:
         for name, value in stats.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
-            if name in ("senders_active", "receivers_active", "in_flight", "pinned_bytes", "open_sockets",
-                        "decode_peers", "prefill_peers", "pending_requests", "dead_peers"):
+            if name in _GAUGES or name.startswith(("pages_", "bytes_")):
                 gauges.add_metric([*values, name], float(value))
             else:
                 events.add_metric([*values, name], float(value))

@@ -232,3 +232,33 @@ async def test_a_request_the_prefill_cannot_place_fails_both_sides_with_one_reas
         with pytest.raises(TransferFailed) as on_prefill:
             await tx.done(timeout=5)
         assert on_prefill.value.reason == on_decode.value.reason
+
+
+async def test_a_killed_prefill_leaves_no_staging_space_held_on_the_decode(engine: str) -> None:
+    """Space the decode granted a prefill's staged pieces comes back once that prefill is proven gone, and
+    later staged rooms (from another prefill) go through."""
+    env = {"AIOTRANSFER_STAGING": "always", "AIOTRANSFER_STAGING_BYTES": str(8 << 20)}
+    victim = await RemotePeer.start(engine, seed=SEED, env=env, **BIG)
+    other = await RemotePeer.start(engine, seed=SEED, env=env, **BIG)
+    try:
+        async with local_decode(engine, staging="always", staging_bytes=8 << 20) as (dec, bufs):
+            rx = await open_room(dec, victim, 1, pages(1500, 50))
+            send = asyncio.ensure_future(victim.call("send_kv", room=1, pages=pages(1500, 51)))
+            for _ in range(5000):  # until the decode has granted space to a piece in flight
+                if dec.stats()["staging_bytes_in_use"]:
+                    break
+                await asyncio.sleep(0.001)
+            assert dec.stats()["staging_bytes_in_use"] > 0
+            victim.signal(signal.SIGKILL)
+            await rx.released(timeout=20)
+            assert rx.release_cause == "peer-gone"
+            assert dec.stats()["staging_bytes_in_use"] == 0
+            dst, src = pages(200, 52), pages(200, 53)
+            rx2 = await open_room(dec, other, 2, dst)
+            await other.call("send_kv", room=2, pages=src)
+            await rx2.done(timeout=30)
+            assert digest(bufs, dst) == expected(src)
+            await asyncio.gather(send, return_exceptions=True)
+    finally:
+        await victim.close()
+        await other.close()

@@ -86,14 +86,25 @@ class Lifecycle:
                     self.peer_gone(ep, "peer-gone")
                     self._publish(PeerEvent("gone", ep, (), f"peer {ep} is gone: its control port refuses connections"))
 
-    def stats(self, page_bytes: int) -> dict[str, Any]:
-        """Rooms, pages and bytes awaiting release on each side."""
-        tx_pages = sum(tx.num_pages or 0 for tx in self.tx.values())
-        rx_pages = sum(int(rx.pages.size) if rx.pages is not None else 0 for rx in self.rx.values())
+    def stats(self, page_bytes: int, open_pages: int) -> dict[str, Any]:
+        """Pages (and bytes) by state: in use by open rooms (``open_pages``), awaiting a drain, and
+        quarantined (decode rooms whose every awaited prefill rank is silent: only the quarantine or a
+        proof of its death will release them)."""
+        dead = self._ctx.liveness.is_dead
+        draining = sum(tx.num_pages or 0 for tx in self.tx.values())
+        quarantined = 0
+        for rx in self.rx.values():
+            n = int(rx.pages.size) if rx.pages is not None else 0
+            waiting = rx.awaiting_drain
+            if waiting and all(dead(ep) for ep in waiting):
+                quarantined += n
+            else:
+                draining += n
         return {
             "rooms_awaiting_release": len(self.tx) + len(self.rx),
-            "pages_awaiting_release": tx_pages + rx_pages,
-            "bytes_awaiting_release": (tx_pages + rx_pages) * page_bytes,
+            "pages_in_use": open_pages, "bytes_in_use": open_pages * page_bytes,
+            "pages_awaiting_drain": draining, "bytes_awaiting_drain": draining * page_bytes,
+            "pages_quarantined": quarantined, "bytes_quarantined": quarantined * page_bytes,
             "engine_holds_pending": sum(tx.engine_holds for tx in self.tx.values()),
         }
 

@@ -147,6 +147,12 @@ class KVArgs:
             kind: _resolve_list(bufs, self.state_item_lens.get(kind), f"state[{kind}]")
             for kind, bufs in self.state_buffers.items()
         }
+        devices = sorted({b.device for b in self.kv})
+        if len(devices) > 1:
+            raise InvalidArgument(
+                f"KV buffers live on several devices ({', '.join(devices)}): every KV buffer of a rank must be on "
+                "one device (one registration, one staging path); aux and state buffers may live elsewhere"
+            )
         regions = [(b.ptr, b.ptr + b.nbytes) for b in self.all_buffers()]
         self._check_overlaps(regions)
 
@@ -162,6 +168,11 @@ class KVArgs:
         for (s0, e0), (s1, _e1) in itertools.pairwise(spans):
             if s1 < e0:
                 raise InvalidArgument(f"buffers overlap: [{s0:#x}, {e0:#x}) and one starting at {s1:#x}")
+
+    @property
+    def kv_device(self) -> str:
+        """Where the KV buffers live: ``cpu``, or a device such as ``cuda:0``."""
+        return self.kv[0].device
 
     @property
     def num_pages(self) -> int:

@@ -263,7 +263,7 @@ class KVManager:
         info: dict[str, Any] = {
             "endpoint": self.endpoint, "generation": self.generation, "protocol_version": PROTOCOL_VERSION,
             "kv_buffers": len(self.args.kv), "num_pages": self.args.num_pages, "layout": self.args.layout,
-            "compat": self._ctx.compat, "engine_threads": self._engine_threads,
+            "compat": self._ctx.compat, "engine_threads": self._engine_threads, "kv_device": self.args.kv_device,
         }
         if self._ctx.engine_or_none is not None:
             info.update(self._ctx.engine_or_none.describe())

@@ -162,3 +162,47 @@ async def test_hello_with_wrong_version_is_dropped(prefill: KVManager) -> None:
               session_id="x", engine_info=b"", probe_addr=1, compat="x", kv=[])
     await push(prefill.endpoint, [encode(h)])
     await wait_until(lambda: sum(prefill.stats()["control_dropped"].values()) == 1)
+
+
+async def test_a_kv_dtype_mismatch_is_refused_at_the_handshake_naming_both(prefill: KVManager, engine: str) -> None:
+    """A decode whose KV cache has another dtype is refused before any byte moves, and told which two."""
+    from aiotransfer import IncompatiblePeer
+
+    dst = [np.zeros((GEOMETRY["pages"], GEOMETRY["item_len"]), np.uint8) for _ in range(GEOMETRY["buffers"])]
+    async with KVManager(KVArgs(dst, page_size=16, dtype="float16"), TransferConfig(engine=engine)) as dec:
+        rx = dec.receiver(9, prefill.endpoint)
+        with pytest.raises(IncompatiblePeer, match=r"KV dtype mismatch: peer 'float16', ours 'uint8'"):
+            await rx.send_metadata([1], timeout=10)
+    assert prefill.stats()["peers_refused"] == 1
+
+
+class _DeviceTensor:
+    """What KVArgs reads of a torch tensor on a GPU (the test machine has none)."""
+
+    def __init__(self, backing: np.ndarray, device: str) -> None:
+        self._backing, self.device, self.shape = backing, device, backing.shape
+
+    def data_ptr(self) -> int:
+        return int(self._backing.ctypes.data)
+
+    def element_size(self) -> int:
+        return 1
+
+    def numel(self) -> int:
+        return int(self._backing.size)
+
+    def is_contiguous(self) -> bool:
+        return True
+
+    def dim(self) -> int:
+        return self._backing.ndim
+
+
+def test_kv_buffers_on_several_devices_are_refused() -> None:
+    from aiotransfer import InvalidArgument
+
+    host, backing = np.zeros((4, 64), np.uint8), np.zeros((4, 64), np.uint8)
+    with pytest.raises(InvalidArgument, match=r"several devices \(cpu, cuda:0\)"):
+        KVArgs([host, _DeviceTensor(backing, "cuda:0")])
+    args = KVArgs([_DeviceTensor(backing, "cuda:0")], aux_buffers=[host])  # aux may live elsewhere
+    assert args.kv_device == "cuda:0"

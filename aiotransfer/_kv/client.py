@@ -173,6 +173,7 @@ class PrefillClient:
             kv_heads=a.kv_heads, total_kv_heads=a.total_kv_heads, page_size=a.page_size, cp_size=a.cp_size,
             cp_rank=a.cp_rank, outer=a.outer,
             staging=BufferSpec(arena.ptr, arena.nbytes, 1) if arena is not None else None,
+            dtype=a.dtype, kv_device=a.kv_device,
         )
 
     # -- topology -----------------------------------------------------------------------------------

@@ -75,6 +75,8 @@ class PrefillSide:
             return f"layout mismatch: peer {hello.layout!r}, ours {a.layout!r}"
         if hello.page_size != a.page_size:
             return f"page size mismatch: peer {hello.page_size}, ours {a.page_size}"
+        if hello.dtype and hello.dtype != a.dtype:
+            return f"KV dtype mismatch: peer {hello.dtype!r}, ours {a.dtype!r} (moving it would corrupt the cache)"
         if hello.compat != ctx.compat:
             return f"KV geometry hash mismatch (dtype/layout/page size): peer {hello.compat}, ours {ctx.compat}"
         remote = RankGeometry(

@@ -89,6 +89,10 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     cp_rank: int = 0
     outer: int = 1
     staging: BufferSpec | None = None
+    dtype: str = ""
+    """The KV cache dtype (empty from peers that do not declare it)."""
+    kv_device: str = "cpu"
+    """Where the KV buffers live (``cpu``, ``cuda:0``...)."""
 
 
 class HelloAck(msgspec.Struct, tag="hello_ack", frozen=True):

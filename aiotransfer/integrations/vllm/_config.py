@@ -1,0 +1,131 @@
+"""The connector's settings and the ``kv_transfer_params`` it exchanges: plain Python, no vLLM import.
+
+Everything a request carries between the prefill and the decode instance is validated here, so a malformed
+or foreign ``kv_transfer_params`` dict is refused with a clear reason before any byte moves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...config import TransferConfig
+from ...errors import ConfigError, InvalidArgument
+
+__all__ = ["ConnectorConfig", "RemotePrefill", "room_of", "KEY_ENDPOINT", "KEY_ROOM"]
+
+KEY_ENDPOINT = "aiotransfer_endpoint"
+"""``kv_transfer_params`` key: the prefill worker's control address (``tcp://host:port``)."""
+KEY_ROOM = "aiotransfer_room"
+"""``kv_transfer_params`` key: the room both sides use for this request."""
+
+_ENGINES = ("mooncake_tcp", "mooncake", "nixl")
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """``kv_connector_extra_config`` of :class:`AiotransferConnector`, validated.
+
+    ``transfer_timeout`` bounds one request's transfer on each side: the decode's metadata delivery plus
+    its wait for every byte, and the prefill's sending once the decode has asked. ``lease`` bounds how long
+    a prefill holds a finished request's blocks for a decode that has not asked for them yet.
+    ``release_timeout`` bounds the wait for a failed room's pages to be provably untouched; a room that
+    does not get there keeps its blocks out of vLLM's pool (logged) rather than risk another request's KV.
+    """
+
+    engine: str = "mooncake_tcp"
+    hostname: str = "127.0.0.1"
+    port: int = 0
+    transfer_timeout: float = 30.0
+    lease: float = 30.0
+    release_timeout: float = 120.0
+    transfer: Mapping[str, Any] = field(default_factory=dict)
+    """More :class:`~aiotransfer.TransferConfig` fields, passed through (e.g. ``checksum``)."""
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        extra = dict(extra or {})
+        known = {"engine", "hostname", "port", "transfer_timeout", "lease", "release_timeout", "transfer"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(f"kv_connector_extra_config: unknown keys {unknown}; known: {sorted(known)}")
+        cfg = cls(**extra)
+        cfg.check()
+        return cfg
+
+    def check(self) -> None:
+        if self.engine not in _ENGINES:
+            raise ConfigError(f"kv_connector_extra_config engine={self.engine!r}: expected one of {_ENGINES}")
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ConfigError(f"kv_connector_extra_config port={self.port!r}: expected 0..65535")
+        for name in ("transfer_timeout", "lease", "release_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"kv_connector_extra_config {name}={value!r}: expected seconds > 0")
+        if not isinstance(self.transfer, Mapping):
+            raise ConfigError("kv_connector_extra_config transfer: expected a dict of TransferConfig fields")
+
+    def transfer_config(self, tp_rank: int = 0) -> TransferConfig:
+        """The worker's :class:`TransferConfig`: each TP rank listens on ``port + tp_rank`` (or any port)."""
+        port = self.port + tp_rank if self.port else 0
+        timeouts = {"handshake_timeout": self.transfer_timeout, "transfer_timeout": self.transfer_timeout,
+                    "done_timeout": self.transfer_timeout, "ready_timeout": self.lease}
+        try:
+            return TransferConfig(engine=self.engine, hostname=self.hostname, control_port=port,
+                                  **{**timeouts, **dict(self.transfer)})
+        except TypeError as exc:
+            raise ConfigError(f"kv_connector_extra_config transfer: {exc}") from None
+
+
+def room_of(request_id: str) -> int:
+    """The room of a request: a 63-bit hash of its id, the same in the scheduler and the worker."""
+    digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & (2**63 - 1)
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """What a decode request needs to receive its prompt's KV, read from its ``kv_transfer_params``."""
+
+    endpoint: str
+    room: int
+    num_tokens: int
+    block_ids: tuple[int, ...]
+
+    @staticmethod
+    def wanted(params: Mapping[str, Any] | None) -> bool:
+        """True for a decode request that still has to receive its KV."""
+        return bool(params) and bool(params.get("do_remote_prefill"))  # type: ignore[union-attr]
+
+    @classmethod
+    def parse(cls, params: Mapping[str, Any]) -> RemotePrefill:
+        """Validate ``kv_transfer_params`` from a prefill's output; raises :class:`InvalidArgument`."""
+        endpoint = params.get(KEY_ENDPOINT)
+        room = params.get(KEY_ROOM)
+        if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+            raise InvalidArgument(f"kv_transfer_params: {KEY_ENDPOINT} missing or not a tcp:// address "
+                                  f"({endpoint!r}); were they made by AiotransferConnector?")
+        if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 2**63:
+            raise InvalidArgument(f"kv_transfer_params: {KEY_ROOM} must be an int in [0, 2**63), got {room!r}")
+        num_tokens = params.get("remote_num_tokens")
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
+            raise InvalidArgument(f"kv_transfer_params: remote_num_tokens must be an int >= 0, got {num_tokens!r}")
+        blocks = params.get("remote_block_ids")
+        if (not isinstance(blocks, (list, tuple))
+                or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks)):
+            raise InvalidArgument("kv_transfer_params: remote_block_ids must be a list of block ids")
+        return cls(endpoint, room, num_tokens, tuple(blocks))
+
+    def to_params(self) -> dict[str, Any]:
+        """The dict the prefill's ``request_finished`` returns (vLLM puts it on the request output)."""
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            KEY_ENDPOINT: self.endpoint,
+            KEY_ROOM: self.room,
+            "remote_num_tokens": self.num_tokens,
+            "remote_block_ids": list(self.block_ids),
+        }

@@ -1,0 +1,147 @@
+"""``AiotransferConnector``: vLLM's ``KVConnectorBase_V1`` on aiotransfer (this module imports vLLM).
+
+A thin adapter: the scheduler role delegates to :class:`SchedulerSide`, the worker role to
+:class:`WorkerSide`; what crosses from one to the other each step is an :class:`Orders` in the connector
+metadata. Push, not pull: the decode's worker tells the prefill's worker where to write
+(``send_metadata``), and the prefill writes as soon as it has been told, with no engine step in between.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.request import RequestStatus
+
+from ...errors import ConfigError
+from ._config import ConnectorConfig
+from ._scheduler import Orders, SchedulerSide
+from ._worker import WorkerSide
+
+__all__ = ["AiotransferConnector", "AiotransferHandshake", "AiotransferMetadata"]
+
+_COMPLETED = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+class AiotransferMetadata(KVConnectorMetadata):
+    """One scheduler step's orders for the workers."""
+
+    def __init__(self, orders: Orders) -> None:
+        self.orders = orders
+
+
+@dataclass
+class AiotransferHandshake(KVConnectorHandshakeMetadata):
+    """What a worker tells its scheduler at start: the control address decode must reach it at."""
+
+    endpoint: str
+
+
+class AiotransferConnector(KVConnectorBase_V1):
+    """KV connector moving a request's KV from a prefill to a decode vLLM instance with aiotransfer.
+
+    ``KVTransferConfig(kv_connector="AiotransferConnector",
+    kv_connector_module_path="aiotransfer.integrations.vllm", kv_role="kv_producer" | "kv_consumer" |
+    "kv_both", kv_connector_extra_config={"engine": "mooncake_tcp" | "nixl", ...})``; the extra config is
+    :class:`~aiotransfer.integrations.vllm.ConnectorConfig`.
+    """
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+            raise ConfigError("AiotransferConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 "
+                              f"for now (got TP {parallel.tensor_parallel_size}, "
+                              f"PP {parallel.pipeline_parallel_size})")
+        self._block_size = int(vllm_config.cache_config.block_size)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(self._config, self._block_ids_of)
+        else:
+            self._worker = WorkerSide(self._config)
+
+    @property
+    def scheduler_side(self) -> SchedulerSide:
+        assert self._scheduler is not None, "scheduler-side call on a worker connector"
+        return self._scheduler
+
+    @property
+    def worker_side(self) -> WorkerSide:
+        assert self._worker is not None, "worker-side call on a scheduler connector"
+        return self._worker
+
+    # -- worker side -----------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self.worker_side.register(kv_caches, self._block_size)
+
+    def get_handshake_metadata(self) -> AiotransferHandshake | None:
+        endpoint = self.worker_side.endpoint
+        return AiotransferHandshake(endpoint) if endpoint is not None else None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, AiotransferMetadata)
+            self.worker_side.start_receives(meta.orders)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous: a request runs only once its whole KV has landed
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # nothing is saved per layer: the prefill sends whole blocks once the prompt is computed
+
+    def wait_for_save(self) -> None:
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, AiotransferMetadata)
+            self.worker_side.start_sends(meta.orders)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sent, received = self.worker_side.finished(finished_req_ids)
+        return sent or None, received or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.take_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # -- scheduler side --------------------------------------------------------------------------
+    def _block_ids_of(self, req_id: str) -> list[int]:
+        assert self._kv_cache_manager is not None, "the scheduler did not bind its KV cache manager"
+        return list(self._kv_cache_manager.get_block_ids(req_id)[0])
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self.scheduler_side.set_endpoints(
+            {rank: meta.endpoint for rank, meta in metadata.items() if isinstance(meta, AiotransferHandshake)})
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler_side.num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        groups = blocks.get_unhashed_block_ids_all_groups()
+        self.scheduler_side.after_alloc(request, list(groups[0]) if groups else [], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return AiotransferMetadata(self.scheduler_side.build_orders(scheduler_output.num_scheduled_tokens))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.scheduler_side.on_worker_output(connector_output.finished_sending or (),
+                                             connector_output.finished_recving or ())
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        if block_ids and isinstance(block_ids[0], (list, tuple)):
+            block_ids = block_ids[0]
+        return self.scheduler_side.request_finished(request, list(block_ids), request.status in _COMPLETED)
+
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler_side.has_pending_work()

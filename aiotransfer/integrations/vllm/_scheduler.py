@@ -1,0 +1,175 @@
+"""The connector's scheduler side: which requests send, which receive, when blocks may go back.
+
+Plain Python over duck-typed vLLM requests (``request_id``, ``kv_transfer_params``, ``num_prompt_tokens``,
+``num_computed_tokens``), so its bookkeeping is tested without vLLM. The scheduler never moves bytes: it
+hands the workers one :class:`Orders` per step, and learns from their ``finished_sending`` /
+``finished_recving`` reports when a request's blocks may be freed.
+
+The rule it keeps: a request whose room a worker may still touch is never given back to vLLM's block
+pool by ``request_finished`` (it returns ``delay_free_blocks=True``); the blocks come back only when the
+worker reports the room released (every engine operation on it over, or on the decode the prefill proven
+drained, gone or quarantined).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import InvalidArgument
+from ._config import ConnectorConfig, RemotePrefill, room_of
+
+__all__ = ["Orders", "RecvJob", "SchedulerSide", "SendJob"]
+
+log = logging.getLogger("aiotransfer.integrations.vllm")
+
+
+@dataclass(frozen=True)
+class SendJob:
+    """Prefill worker: the request's prompt is computed in this step; hold a sender for its room."""
+
+    req_id: str
+    room: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RecvJob:
+    """Decode worker: ask the prefill at ``endpoint`` to write the room into ``block_ids``."""
+
+    req_id: str
+    room: int
+    endpoint: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class Orders:
+    """One step's work for the workers (the connector metadata's payload)."""
+
+    send: list[SendJob] = field(default_factory=list)
+    recv: list[RecvJob] = field(default_factory=list)
+    abort: list[str] = field(default_factory=list)
+    """Requests whose room the worker must abort (the request ended before its transfer did)."""
+    forgo: list[tuple[int, str]] = field(default_factory=list)
+    """(room, prefill endpoint) the decode will never ask for: tell the prefill to free its blocks now."""
+
+    def __bool__(self) -> bool:
+        return bool(self.send or self.recv or self.abort or self.forgo)
+
+
+class SchedulerSide:
+    """Scheduler-side bookkeeping; ``block_ids_of(req_id)`` returns a request's block ids (one group)."""
+
+    def __init__(self, config: ConnectorConfig, block_ids_of: Callable[[str], list[int]]) -> None:
+        self._config = config
+        self._block_ids_of = block_ids_of
+        self._endpoints: dict[int, str] = {}
+        self._prefilling: dict[str, Any] = {}  # prefill requests not yet fully scheduled
+        self._sending: dict[str, int] = {}  # req_id -> room: a worker holds a sender, blocks pinned
+        self._receiving: dict[str, int] = {}  # req_id -> room: a worker holds a receiver, blocks pinned
+        self._orders = Orders()
+
+    # -- workers' endpoints (from vLLM's handshake metadata) -------------------------------------
+    def set_endpoints(self, endpoints: Mapping[int, str]) -> None:
+        self._endpoints = dict(endpoints)
+
+    @property
+    def endpoint(self) -> str | None:
+        """The TP-rank-0 worker's control address, given to decode in ``kv_transfer_params``."""
+        return self._endpoints.get(0)
+
+    # -- decode ----------------------------------------------------------------------------------
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not RemotePrefill.wanted(params):
+            return 0, False
+        try:
+            remote = RemotePrefill.parse(params)
+        except InvalidArgument as exc:
+            log.warning("request %s: %s; computing its prompt here instead", request.request_id, exc)
+            params["do_remote_prefill"] = False
+            return 0, False
+        count = min(remote.num_tokens, request.num_prompt_tokens) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(self, request: Any, new_block_ids: list[int], num_external_tokens: int) -> None:
+        """Blocks were allocated for ``request``; ``new_block_ids`` are those not filled by a local
+        prefix-cache hit, i.e. where the prefill's KV must land."""
+        params = request.kv_transfer_params
+        if not params:
+            return
+        if params.get("do_remote_decode") and request.request_id not in self._sending:
+            self._prefilling[request.request_id] = request
+            return
+        if not RemotePrefill.wanted(params):
+            return
+        params["do_remote_prefill"] = False  # one transfer per request, also after a preemption
+        remote = RemotePrefill.parse(params)  # validated in num_new_matched_tokens
+        if num_external_tokens <= 0 or not new_block_ids:
+            self._orders.forgo.append((remote.room, remote.endpoint))  # a full local hit: nothing to fetch
+            return
+        self._orders.recv.append(RecvJob(request.request_id, remote.room, remote.endpoint, tuple(new_block_ids)))
+        self._receiving[request.request_id] = remote.room
+
+    # -- every step ------------------------------------------------------------------------------
+    def build_orders(self, num_scheduled_tokens: Mapping[str, int]) -> Orders:
+        """This step's orders. A prefill request whose last prompt token is scheduled now gets its
+        sender: the worker starts it after the forward pass, once the KV is written."""
+        for req_id, request in list(self._prefilling.items()):
+            scheduled = num_scheduled_tokens.get(req_id, 0)
+            if scheduled and request.num_computed_tokens + scheduled >= request.num_prompt_tokens:
+                del self._prefilling[req_id]
+                room = room_of(req_id)
+                self._orders.send.append(SendJob(req_id, room, tuple(self._block_ids_of(req_id))))
+                self._sending[req_id] = room
+        orders, self._orders = self._orders, Orders()
+        return orders
+
+    def on_worker_output(self, finished_sending: Iterable[str], finished_recving: Iterable[str]) -> None:
+        for req_id in finished_sending:
+            self._sending.pop(req_id, None)
+        for req_id in finished_recving:
+            self._receiving.pop(req_id, None)
+
+    def has_pending_work(self) -> bool:
+        """Keep vLLM's engine loop stepping while a worker holds a room: its completion frees blocks."""
+        return bool(self._sending or self._receiving or self._orders)
+
+    # -- end of a request ------------------------------------------------------------------------
+    def request_finished(self, request: Any, block_ids: list[int], completed: bool) -> tuple[bool, dict[str, Any] | None]:
+        """``completed``: the request ended normally (length cap or stop), not aborted or failed.
+
+        Returns vLLM's ``(delay_free_blocks, kv_transfer_params)``.
+        """
+        req_id = request.request_id
+        params = request.kv_transfer_params
+        self._prefilling.pop(req_id, None)
+        if req_id in self._sending:
+            endpoint = self.endpoint
+            if completed and endpoint is not None and block_ids:
+                remote = RemotePrefill(endpoint, self._sending[req_id], request.num_prompt_tokens, tuple(block_ids))
+                return True, remote.to_params()
+            # Ended otherwise (aborted, or no endpoint known): the sender is aborted; the blocks stay
+            # pinned until the worker reports the room released.
+            self._orders.abort.append(req_id)
+            return True, None
+        if req_id in self._receiving:
+            self._orders.abort.append(req_id)  # finished while its KV was still arriving
+            return True, None
+        if RemotePrefill.wanted(params):
+            # Never scheduled (aborted while waiting): let the prefill free its blocks now, not at its lease.
+            params["do_remote_prefill"] = False
+            try:
+                remote = RemotePrefill.parse(params)
+            except InvalidArgument:
+                return False, None
+            self._orders.forgo.append((remote.room, remote.endpoint))
+        return False, None
+
+    def counts(self) -> dict[str, int]:
+        """Rooms whose blocks a worker still holds, by side (a leak check for tests and metrics)."""
+        return {"sending": len(self._sending), "receiving": len(self._receiving),
+                "prefilling": len(self._prefilling)}

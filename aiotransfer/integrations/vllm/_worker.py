@@ -1,0 +1,225 @@
+"""The connector's worker side: a :class:`BackgroundManager` over vLLM's KV tensors, one room per request.
+
+Plain Python (no vLLM import). vLLM's model runner calls in from its own thread; every room runs as a
+coroutine on the manager's loop thread, and its outcome comes back through :meth:`WorkerSide.finished`.
+A room is reported finished only once its pages are released (:meth:`KVSender.released` /
+:meth:`KVReceiver.released`), so vLLM never frees or reuses a block an engine may still read or write.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from ...args import KVArgs
+from ...errors import AiotransferError, TransferTimeout
+from ...manager import KVManager
+from ...receiver import KVReceiver
+from ...sender import KVSender
+from .._sync import BackgroundManager
+from ._config import ConnectorConfig
+from ._scheduler import Orders, RecvJob, SendJob
+
+__all__ = ["WorkerSide"]
+
+log = logging.getLogger("aiotransfer.integrations.vllm")
+
+
+class WorkerSide:
+    """One vLLM worker's rooms. Thread-safe: vLLM's thread calls in, the loop thread reports back."""
+
+    def __init__(self, config: ConnectorConfig, *, tp_rank: int = 0) -> None:
+        self._config = config
+        self._tp_rank = tp_rank
+        self._bg: BackgroundManager | None = None
+        self._endpoint: str | None = None
+        self._lock = threading.Lock()
+        self._rooms: dict[str, KVSender | KVReceiver] = {}  # req_id -> room, while it runs
+        self._sent: set[str] = set()  # finished sends (released) not yet reported
+        self._received: set[str] = set()  # finished receives (released) not yet reported
+        self._sends: set[str] = set()  # requests with a send not yet reported
+        self._finished_ids: set[str] = set()  # of those, the ones vLLM has declared finished
+        self._load_errors: set[int] = set()
+        self._failed: set[str] = set()
+        self._withheld: set[str] = set()  # rooms never released: their blocks stay out of vLLM's pool
+        self.stats: dict[str, int] = {"sends": 0, "sends_failed": 0, "receives": 0, "receives_failed": 0,
+                                      "forgone": 0, "aborted": 0, "withheld": 0}
+
+    # -- start and stop --------------------------------------------------------------------------
+    def register(self, kv_caches: Mapping[str, Any], block_size: int) -> str:
+        """Register vLLM's KV tensors (one per layer, blocks along dim 0) and start the manager.
+
+        Returns this worker's control address."""
+        tensors = list(kv_caches.values())
+        if not tensors:
+            raise AiotransferError("register_kv_caches: vLLM gave no KV tensors")
+        dtype = str(tensors[0].dtype).removeprefix("torch.")
+        args = KVArgs(tensors, page_size=block_size, dtype=dtype, tp_rank=0, tp_size=1)
+        bg = BackgroundManager(args, self._config.transfer_config(self._tp_rank), name="aiotransfer-vllm")
+        bg.start()
+        self._bg = bg
+        self._endpoint = bg.call(lambda m: m.endpoint)
+        log.info("aiotransfer connector: %d KV tensors of %s registered, %s on %s",
+                 len(tensors), dtype, self._config.engine, self._endpoint)
+        return self._endpoint
+
+    @property
+    def endpoint(self) -> str | None:
+        return self._endpoint
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Close the manager: rooms still open fail (both sides learn why), the engine drains, memory is
+        deregistered. Idempotent."""
+        bg, self._bg = self._bg, None
+        if bg is not None:
+            bg.close(timeout)
+
+    # -- orders from the scheduler ---------------------------------------------------------------
+    def start_receives(self, orders: Orders) -> None:
+        """Called before the forward pass: ask prefills for KV, abort rooms whose request ended."""
+        bg = self._require()
+        for job in orders.recv:
+            self._spawn(bg, job.req_id, self._receive(job))
+        for req_id in orders.abort:
+            self._abort(bg, req_id)
+        for room, endpoint in orders.forgo:
+            self.stats["forgone"] += 1
+            bg.submit(functools.partial(self._forgo, room=room, endpoint=endpoint))
+
+    def start_sends(self, orders: Orders) -> None:
+        """Called after the forward pass, when the prompt's KV is written: hold a sender per request."""
+        bg = self._require()
+        for job in orders.send:
+            with self._lock:
+                self._sends.add(job.req_id)
+            self._spawn(bg, job.req_id, self._send(job))
+
+    def _require(self) -> BackgroundManager:
+        if self._bg is None:
+            raise AiotransferError("aiotransfer connector: KV caches are not registered (or shut down)")
+        return self._bg
+
+    def _spawn(self, bg: BackgroundManager, req_id: str, coro: Any) -> None:
+        async def run(_: KVManager) -> None:
+            await coro
+
+        def check(fut: concurrent.futures.Future[None]) -> None:
+            if not fut.cancelled() and fut.exception() is not None:
+                log.error("request %s: room task failed: %r", req_id, fut.exception())
+
+        bg.submit(run).add_done_callback(check)
+
+    def _abort(self, bg: BackgroundManager, req_id: str) -> None:
+        with self._lock:
+            side = self._rooms.get(req_id)
+        if side is not None:
+            self.stats["aborted"] += 1
+            bg.submit(lambda m: side.abort(f"vLLM request {req_id} ended before its KV transfer did"))
+
+    # -- one room --------------------------------------------------------------------------------
+    async def _send(self, job: SendJob) -> None:
+        cfg = self._config
+        mgr = self._require().manager
+        tx = mgr.sender(job.room)
+        with self._lock:
+            self._rooms[job.req_id] = tx
+        self.stats["sends"] += 1
+        failure: str | None = None
+        try:
+            await tx.wait_ready(timeout=cfg.lease)
+            wanted = tx.num_pages or 0
+            if wanted > len(job.block_ids):
+                raise AiotransferError(f"decode asked for {wanted} blocks; the prompt has {len(job.block_ids)}")
+            # The decode's blocks cover the prompt's tail (a local prefix-cache hit covers its head).
+            await tx.send_kv(job.block_ids[len(job.block_ids) - wanted:], timeout=cfg.transfer_timeout)
+            await tx.done(timeout=cfg.transfer_timeout)
+        except BaseException as exc:  # any failure, cancellation included, ends the room on both sides
+            failure = str(exc) or type(exc).__name__
+            await tx.abort(failure)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            await self._conclude(job.req_id, tx, failure, sending=True, blocks=())
+
+    async def _receive(self, job: RecvJob) -> None:
+        cfg = self._config
+        mgr = self._require().manager
+        rx = mgr.receiver(job.room, peer=job.endpoint)
+        with self._lock:
+            self._rooms[job.req_id] = rx
+        self.stats["receives"] += 1
+        failure: str | None = None
+        start = time.monotonic()
+        try:
+            await rx.send_metadata(list(job.block_ids), timeout=cfg.transfer_timeout)
+            await rx.done(timeout=max(cfg.transfer_timeout - (time.monotonic() - start), 0.001))
+        except BaseException as exc:  # any failure, cancellation included, ends the room on both sides
+            failure = str(exc) or type(exc).__name__
+            await rx.abort(failure)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            await self._conclude(job.req_id, rx, failure, sending=False, blocks=job.block_ids)
+
+    async def _conclude(self, req_id: str, side: KVSender | KVReceiver, failure: str | None, *, sending: bool,
+                        blocks: Iterable[int]) -> None:
+        """Wait until the room's pages are provably untouched, then report the request finished."""
+        what = "send" if sending else "load"
+        if failure is not None:
+            self.stats["sends_failed" if sending else "receives_failed"] += 1
+            log.warning("aiotransfer: KV %s of request %s (room %d) failed: %s", what, req_id, side.room, failure)
+        try:
+            await side.released(timeout=self._config.release_timeout)
+        except TransferTimeout as exc:
+            # Never hand back what an engine may still touch: these blocks stay out of vLLM's pool.
+            self.stats["withheld"] += 1
+            log.error("aiotransfer: request %s: %s; its blocks stay withheld from vLLM", req_id, exc)
+            with self._lock:
+                self._rooms.pop(req_id, None)
+                self._withheld.add(req_id)
+            return
+        with self._lock:
+            self._rooms.pop(req_id, None)
+            if sending:
+                self._sent.add(req_id)
+            else:
+                if failure is not None:
+                    self._failed.add(req_id)
+                    self._load_errors.update(blocks)
+                self._received.add(req_id)
+
+    # -- reports to vLLM -------------------------------------------------------------------------
+    def finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str]]:
+        """``(finished_sending, finished_recving)`` for vLLM's ``get_finished``. A send is reported only
+        once vLLM has declared its request finished (vLLM's contract), and only after its release."""
+        with self._lock:
+            self._finished_ids.update(i for i in finished_req_ids if i in self._sends)
+            sent = self._sent & self._finished_ids
+            self._sent -= sent
+            self._finished_ids -= sent
+            self._sends -= sent
+            received, self._received = self._received, set()
+        return sent, received
+
+    def take_load_errors(self) -> set[int]:
+        """Block ids of failed loads since the last call (reported with, or before, their request)."""
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+            self._failed.clear()
+        return errors
+
+    def counts(self) -> dict[str, int]:
+        """Rooms in flight and reports pending (a leak check), plus the running totals."""
+        with self._lock:
+            return {"in_flight": len(self._rooms), "unreported_sends": len(self._sent),
+                    "unreported_receives": len(self._received), "withheld": len(self._withheld), **self.stats}
+
+    @staticmethod
+    async def _forgo(mgr: KVManager, room: int, endpoint: str) -> None:
+        rx = mgr.receiver(room, peer=endpoint)
+        await rx.abort("the decode request needs no KV from this prefill (ended, or a local cache hit)")

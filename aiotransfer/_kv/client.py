@@ -26,6 +26,10 @@ from ..errors import IncompatiblePeer, PeerError
 from ..topology import map_ranks
 from .context import RankContext
 from .peers import PrefillPeer, PrefillTopology
+from .probe import port_refuses
+
+_PROBE_AFTER = 0.5
+"""Seconds without an answer after which first contact checks that the peer's port still accepts."""
 
 __all__ = ["PrefillClient", "Route"]
 
@@ -139,11 +143,19 @@ class PrefillClient:
     async def _register(self, endpoint: str, timeout: float) -> PrefillPeer:
         ctx = self._ctx
         hello = self.hello()
+        deadline = Deadline(timeout)
         with self.acks.expect(hello.generation) as fut:
             await ctx.control.send(endpoint, hello, timeout=timeout)
-            ack = await self.acks.wait(fut, timeout)
+            # Wait in slices: when nothing listens at the address any more, say so at once instead of
+            # waiting out the whole budget.
+            while (ack := await self.acks.wait(fut, min(deadline.remaining(0.0), _PROBE_AFTER))) is None:
+                if deadline.expired or await port_refuses(endpoint):
+                    break
         if ack is None:
             ctx.control.forget(endpoint)
+            if not deadline.expired:
+                raise PeerError(f"{endpoint} refuses connections: no manager listens there (its process is gone, "
+                                "or the address is wrong)", peer=endpoint)
             raise PeerError(
                 f"no registration answer from {endpoint} within {timeout:.3g}s "
                 "(wrong address, peer down, or not an aiotransfer manager)", peer=endpoint,
@@ -197,6 +209,9 @@ class PrefillClient:
                 topo = await self.topology_answers.wait(fut, min(deadline.remaining(0.0), max(1.0, delay * 4)))
             if topo is None:
                 last = "no answer"
+                if await port_refuses(target):
+                    raise PeerError(f"prefill {target} refuses connections: no manager listens there (its process "
+                                    "is gone, or the address is wrong)", peer=peer)
                 continue
             if topo.redirect:
                 target = topo.redirect

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit
 
 from ..events import PeerEvent
 from ..receiver import KVReceiver
 from ..sender import KVSender
 from .context import RankContext
+from .probe import port_refuses
 from .room import RoomSide
 from .staged import StagingGrantor
 
@@ -28,7 +27,6 @@ __all__ = ["Lifecycle", "port_refuses"]
 
 log = logging.getLogger("aiotransfer.manager")
 
-_PROBE_TIMEOUT = 0.5
 
 
 class Lifecycle:
@@ -107,29 +105,3 @@ class Lifecycle:
             "pages_quarantined": quarantined, "bytes_quarantined": quarantined * page_bytes,
             "engine_holds_pending": sum(tx.engine_holds for tx in self.tx.values()),
         }
-
-
-async def port_refuses(endpoint: str) -> bool:
-    """True when a TCP connection to ``endpoint`` (``tcp://host:port``) is refused: nothing listens there."""
-    parts = urlsplit(endpoint if "://" in endpoint else f"tcp://{endpoint}")
-    if parts.hostname is None or parts.port is None:
-        return False
-    loop = asyncio.get_running_loop()
-    try:
-        infos = await loop.getaddrinfo(parts.hostname, parts.port, type=socket.SOCK_STREAM)
-    except OSError:
-        return False
-    family, kind, proto, _, addr = infos[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setblocking(False)
-    connecting = asyncio.ensure_future(loop.sock_connect(sock, addr))
-    try:
-        # asyncio.wait, not wait_for: on Python < 3.12 wait_for can swallow a cancellation
-        done, _ = await asyncio.wait({connecting}, timeout=_PROBE_TIMEOUT)
-        if not done:
-            return False
-        exc = connecting.exception()
-        return isinstance(exc, ConnectionRefusedError)
-    finally:
-        connecting.cancel()
-        sock.close()

@@ -1,13 +1,26 @@
-"""aiotransfer as a vLLM KV connector (needs vLLM; ``aiotransfer.integrations`` itself does not).
+"""aiotransfer as a vLLM KV connector.
 
 Load it in vLLM with ``KVTransferConfig(kv_connector="AiotransferConnector",
 kv_connector_module_path="aiotransfer.integrations.vllm", kv_role=..., kv_connector_extra_config={...})``.
-See docs/vllm.md.
+See docs/vllm.md. ``AiotransferConnector`` imports vLLM when first looked up; :class:`ConnectorConfig`
+(the extra config, validated) does not need vLLM.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ._config import ConnectorConfig as ConnectorConfig
-from ._connector import AiotransferConnector as AiotransferConnector
+
+if TYPE_CHECKING:
+    from ._connector import AiotransferConnector as AiotransferConnector
 
 __all__ = ["AiotransferConnector", "ConnectorConfig"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "AiotransferConnector":
+        from ._connector import AiotransferConnector
+
+        return AiotransferConnector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

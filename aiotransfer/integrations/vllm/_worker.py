@@ -139,7 +139,8 @@ class WorkerSide:
             await tx.send_kv(job.block_ids[len(job.block_ids) - wanted:], timeout=cfg.transfer_timeout)
             await tx.done(timeout=cfg.transfer_timeout)
         except BaseException as exc:  # any failure, cancellation included, ends the room on both sides
-            failure = str(exc) or type(exc).__name__
+            failure = "cancelled (the connector is shutting down)" if not isinstance(exc, Exception) \
+                else str(exc) or type(exc).__name__
             await tx.abort(failure)
             if not isinstance(exc, Exception):
                 raise
@@ -159,7 +160,8 @@ class WorkerSide:
             await rx.send_metadata(list(job.block_ids), timeout=cfg.transfer_timeout)
             await rx.done(timeout=max(cfg.transfer_timeout - (time.monotonic() - start), 0.001))
         except BaseException as exc:  # any failure, cancellation included, ends the room on both sides
-            failure = str(exc) or type(exc).__name__
+            failure = "cancelled (the connector is shutting down)" if not isinstance(exc, Exception) \
+                else str(exc) or type(exc).__name__
             await rx.abort(failure)
             if not isinstance(exc, Exception):
                 raise

@@ -1,0 +1,267 @@
+"""The vLLM connector's two halves without vLLM: the scheduler's bookkeeping on duck-typed requests, and
+the worker's rooms over a real engine across two OS processes (a decode worker in tests/vllm_worker_peer.py).
+
+What vLLM itself does with them (tokens, block pools, failure policies) is tested in tests/vllm/ against
+unmodified vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aiotransfer import ConfigError
+from aiotransfer.integrations.vllm._config import (
+    KEY_ENDPOINT,
+    KEY_ROOM,
+    ConnectorConfig,
+    RemotePrefill,
+    room_of,
+)
+from aiotransfer.integrations.vllm._scheduler import Orders, SchedulerSide, SendJob
+from aiotransfer.integrations.vllm._worker import WorkerSide
+from tests.conftest import ENGINES
+from tests.peer import digest, make_buffers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGES, ITEM = 128, 4096
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    num_prompt_tokens: int
+    kv_transfer_params: dict[str, Any] | None
+    num_computed_tokens: int = 0
+    blocks: list[int] = field(default_factory=list)
+
+
+def scheduler(blocks: dict[str, list[int]]) -> SchedulerSide:
+    side = SchedulerSide(ConnectorConfig(), lambda req_id: blocks[req_id])
+    side.set_endpoints({0: "tcp://127.0.0.1:5999"})
+    return side
+
+
+# -- scheduler side --------------------------------------------------------------------------------
+def test_prefill_request_gets_its_sender_when_its_last_chunk_is_scheduled_and_holds_its_blocks() -> None:
+    req = FakeRequest("p1", 100, {"do_remote_decode": True})
+    side = scheduler({"p1": [7, 8, 9, 10]})
+    side.after_alloc(req, [7, 8], 0)
+    assert not side.build_orders({"p1": 64})  # chunked prefill: 64 of 100 tokens
+    req.num_computed_tokens = 64
+    orders = side.build_orders({"p1": 36})
+    assert orders.send == [SendJob("p1", room_of("p1"), (7, 8, 9, 10))]
+    delay, params = side.request_finished(req, [7, 8, 9, 10], completed=True)
+    assert delay is True and params is not None
+    remote = RemotePrefill.parse(params)
+    assert (remote.endpoint, remote.room, remote.num_tokens, remote.block_ids) == (
+        "tcp://127.0.0.1:5999", room_of("p1"), 100, (7, 8, 9, 10))
+    assert side.has_pending_work()
+    side.on_worker_output(["p1"], [])
+    assert not side.has_pending_work() and side.counts()["sending"] == 0
+
+
+def test_prefill_request_aborted_after_its_sender_started_keeps_blocks_until_the_worker_releases() -> None:
+    req = FakeRequest("p2", 10, {"do_remote_decode": True})
+    side = scheduler({"p2": [1]})
+    side.after_alloc(req, [1], 0)
+    side.build_orders({"p2": 10})
+    assert side.request_finished(req, [1], completed=False) == (True, None)
+    assert side.build_orders({}).abort == ["p2"]
+
+
+def test_prefill_request_aborted_before_its_prompt_was_computed_frees_at_once() -> None:
+    req = FakeRequest("p3", 100, {"do_remote_decode": True})
+    side = scheduler({"p3": [1]})
+    side.after_alloc(req, [1], 0)
+    assert side.request_finished(req, [1], completed=False) == (False, None)
+    assert not side.build_orders({"p3": 100}) and not side.has_pending_work()
+
+
+def decode_params(room: int = 42, num_tokens: int = 100) -> dict[str, Any]:
+    return RemotePrefill("tcp://127.0.0.1:5999", room, num_tokens, (3, 4, 5, 6)).to_params()
+
+
+def test_decode_request_loads_every_prompt_token_asynchronously_once() -> None:
+    req = FakeRequest("d1", 100, decode_params())
+    side = scheduler({})
+    assert side.num_new_matched_tokens(req, 0) == (100, True)
+    assert side.num_new_matched_tokens(req, 32) == (68, True)  # a local prefix hit covers the head
+    side.after_alloc(req, [11, 12, 13, 14], 100)
+    orders = side.build_orders({})
+    assert [(j.room, j.endpoint, j.block_ids) for j in orders.recv] == [(42, "tcp://127.0.0.1:5999", (11, 12, 13, 14))]
+    assert req.kv_transfer_params is not None and req.kv_transfer_params["do_remote_prefill"] is False
+    assert side.num_new_matched_tokens(req, 0) == (0, False)  # after a preemption: no second transfer
+    side.on_worker_output([], ["d1"])
+    assert not side.has_pending_work()
+
+
+def test_decode_request_ending_while_its_kv_arrives_is_aborted_and_its_blocks_held() -> None:
+    req = FakeRequest("d2", 100, decode_params())
+    side = scheduler({})
+    side.num_new_matched_tokens(req, 0)
+    side.after_alloc(req, [11, 12, 13, 14], 100)
+    side.build_orders({})
+    assert side.request_finished(req, [11, 12, 13, 14], completed=False) == (True, None)
+    assert side.build_orders({}).abort == ["d2"]
+
+
+def test_decode_that_needs_nothing_tells_the_prefill_to_free_its_blocks() -> None:
+    side = scheduler({})
+    hit = FakeRequest("d3", 100, decode_params(room=7))
+    side.after_alloc(hit, [], 0)  # full local prefix hit
+    never = FakeRequest("d4", 100, decode_params(room=8))
+    assert side.request_finished(never, [], completed=False) == (False, None)  # aborted while waiting
+    assert side.build_orders({}).forgo == [(7, "tcp://127.0.0.1:5999"), (8, "tcp://127.0.0.1:5999")]
+
+
+@pytest.mark.parametrize("params, why", [
+    ({"do_remote_prefill": True}, KEY_ENDPOINT),
+    ({**decode_params(), KEY_ENDPOINT: "http://x"}, KEY_ENDPOINT),
+    ({**decode_params(), KEY_ROOM: -1}, KEY_ROOM),
+    ({**decode_params(), KEY_ROOM: True}, KEY_ROOM),
+    ({**decode_params(), "remote_num_tokens": "100"}, "remote_num_tokens"),
+    ({**decode_params(), "remote_block_ids": [1, -2]}, "remote_block_ids"),
+])
+def test_malformed_params_are_refused_and_the_prompt_is_computed_locally(
+        params: dict[str, Any], why: str, caplog: pytest.LogCaptureFixture) -> None:
+    req = FakeRequest("d5", 100, dict(params))
+    assert scheduler({}).num_new_matched_tokens(req, 0) == (0, False)
+    assert why in caplog.text and "computing its prompt here" in caplog.text
+    assert req.kv_transfer_params is not None and req.kv_transfer_params["do_remote_prefill"] is False
+
+
+@pytest.mark.parametrize("extra, why", [
+    ({"engin": "nixl"}, "unknown keys"),
+    ({"engine": "rdma"}, "engine"),
+    ({"port": 70000}, "port"),
+    ({"transfer_timeout": 0}, "transfer_timeout"),
+    ({"lease": float("inf")}, "lease"),
+    ({"transfer": {"no_such_field": 1}}, "transfer"),
+])
+def test_bad_extra_config_is_refused_naming_the_key(extra: dict[str, Any], why: str) -> None:
+    with pytest.raises(ConfigError, match=why):
+        ConnectorConfig.from_extra(extra).transfer_config()
+
+
+# -- worker side over a real engine, two processes -------------------------------------------------
+class DecodeWorker:
+    def __init__(self, engine: str) -> None:
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), MC_LOG_LEVEL="ERROR")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_worker_peer", engine, str(PAGES), str(ITEM)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+        self.endpoint = self.ask(None)["endpoint"]
+
+    def ask(self, cmd: dict[str, Any] | None) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        if cmd is not None:
+            self.proc.stdin.write(json.dumps(cmd) + "\n")
+            self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, "decode worker exited"
+        return dict(json.loads(line))
+
+    def close(self) -> None:
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
+            self.proc.stdin.flush()
+            self.proc.wait(20)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait(5)
+        finally:
+            for pipe in (self.proc.stdin, self.proc.stdout):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
+
+
+def prefill_worker(engine: str, kv: list[np.ndarray], **extra: Any) -> WorkerSide:
+    worker = WorkerSide(ConnectorConfig.from_extra({"engine": engine, "transfer_timeout": 10.0, **extra}))
+    worker.register({f"layer.{i}": buf for i, buf in enumerate(kv)}, block_size=16)
+    return worker
+
+
+def wait_sent(worker: WorkerSide, req_id: str, bound: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < bound:
+        if req_id in worker.finished({req_id})[0]:
+            return time.monotonic() - start
+        time.sleep(0.01)
+    raise AssertionError(f"{req_id} not reported sent within {bound}s: {worker.counts()}")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_worker_moves_the_prompt_tail_into_the_decode_blocks_byte_exact(engine: str) -> None:
+    kv = make_buffers(2, PAGES, ITEM, seed=5)
+    prefill = prefill_worker(engine, kv)
+    decode = DecodeWorker(engine)
+    try:
+        src = (20, 21, 22, 23, 90, 91)
+        prefill.start_sends(Orders(send=[SendJob("r1", 1001, src)]))
+        assert prefill.finished(set()) == (set(), set())
+        # The decode had the first two blocks cached: it asks for four, and gets the prompt's tail.
+        out = decode.ask({"op": "recv", "req": "r1", "room": 1001, "peer": prefill.endpoint, "blocks": [5, 6, 7, 8]})
+        assert out["finished"] and out["load_errors"] == []
+        assert out["digest"] == digest(kv, list(src[2:]))
+        assert prefill.finished(set()) == (set(), set()), "a send is reported only once vLLM declared it finished"
+        wait_sent(prefill, "r1", 10)
+        assert prefill.counts()["in_flight"] == 0 and prefill.counts()["sends_failed"] == 0
+    finally:
+        decode.close()
+        prefill.shutdown()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_prefill_whose_decode_never_asks_frees_at_its_lease_and_a_forgone_one_at_once(engine: str) -> None:
+    kv = make_buffers(2, PAGES, ITEM, seed=6)
+    prefill = prefill_worker(engine, kv, lease=1.0)
+    decode = DecodeWorker(engine)
+    try:
+        prefill.start_sends(Orders(send=[SendJob("lease", 2001, (1, 2))]))
+        assert 0.8 < wait_sent(prefill, "lease", 10) < 5
+        prefill_long = prefill_worker(engine, kv, lease=60.0)
+        try:
+            prefill_long.start_sends(Orders(send=[SendJob("forgone", 2002, (1, 2))]))
+            assert decode.ask({"op": "forgo", "room": 2002, "peer": prefill_long.endpoint})["ok"]
+            assert wait_sent(prefill_long, "forgone", 10) < 5  # not the 60 s lease
+            assert prefill_long.counts()["sends_failed"] == 1
+        finally:
+            prefill_long.shutdown()
+    finally:
+        decode.close()
+        prefill.shutdown()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_killed_prefill_fails_the_load_and_reports_its_blocks_once_proven_gone(engine: str) -> None:
+    decode = DecodeWorker(engine)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), MC_LOG_LEVEL="ERROR")
+    # A prefill worker process that is killed before it sends anything.
+    victim = DecodeWorker.__new__(DecodeWorker)
+    victim.proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_worker_peer", engine, str(PAGES), str(ITEM)],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        endpoint = victim.ask(None)["endpoint"]
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait(10)
+        out = decode.ask({"op": "recv", "req": "k1", "room": 3001, "peer": endpoint, "blocks": [9, 10, 11],
+                          "bound": 40})
+        assert out["finished"], out
+        assert out["load_errors"] == [9, 10, 11]
+        assert out["seconds"] < 6, out  # first contact sees the port refuse; no handshake timeout
+        assert out["counts"]["in_flight"] == 0 and out["counts"]["receives_failed"] == 1
+    finally:
+        victim.close()
+        decode.close()

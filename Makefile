@@ -8,7 +8,7 @@ export MC_LOG_LEVEL ?= WARNING
 export NO_MKDOCS_2_WARNING ?= 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup demo test lint format typecheck docs docs-serve bench interop clean
+.PHONY: help setup demo test lint format typecheck docs docs-serve bench interop vllm clean
 
 help:
 	@echo "make setup    create .venv, install Debian libraries and pip packages (idempotent)"
@@ -19,6 +19,7 @@ help:
 	@echo "make docs     build the documentation into site/"
 	@echo "make bench    run the benchmarks"
 	@echo "make interop  tests against SGLang (needs the SGLang venv)"
+	@echo "make vllm     tests against vLLM for CPU (builds the vLLM venv)"
 
 setup:
 	@bash scripts/setup.sh
@@ -28,6 +29,7 @@ demo: setup
 
 test: setup
 	@bash scripts/interop-venv.sh >/dev/null  # SGLang 0.5.23 for the interop tests (cached per machine)
+	@bash scripts/vllm-venv.sh >/dev/null || echo "[make] the vLLM venv could not be built: the vLLM tests will be skipped"
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/mkdocs build --strict --quiet
@@ -56,6 +58,10 @@ bench: setup
 interop: setup
 	@bash scripts/interop-venv.sh
 	$(BIN)/pytest -q -m interop
+
+vllm: setup
+	@bash scripts/vllm-venv.sh >/dev/null
+	$(BIN)/pytest -q -m vllm
 
 clean:
 	rm -rf site build dist .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -215,6 +215,7 @@ def test_worker_moves_the_prompt_tail_into_the_decode_blocks_byte_exact(engine: 
         out = decode.ask({"op": "recv", "req": "r1", "room": 1001, "peer": prefill.endpoint, "blocks": [5, 6, 7, 8]})
         assert out["finished"] and out["load_errors"] == []
         assert out["digest"] == digest(kv, list(src[2:]))
+        assert out["loaded_bytes"] == [4 * 2 * ITEM]
         assert prefill.finished(set()) == (set(), set()), "a send is reported only once vLLM declared it finished"
         wait_sent(prefill, "r1", 10)
         assert prefill.counts()["in_flight"] == 0 and prefill.counts()["sends_failed"] == 0

@@ -25,7 +25,8 @@ def receive(worker: WorkerSide, kv: list[Any], cmd: dict[str, Any]) -> dict[str,
         errors |= worker.take_load_errors()
         if job.req_id in received:
             return {"finished": True, "seconds": time.monotonic() - start, "load_errors": sorted(errors),
-                    "digest": digest(kv, list(job.block_ids)), "counts": worker.counts()}
+                    "digest": digest(kv, list(job.block_ids)), "counts": worker.counts(),
+                    "loaded_bytes": [b for r, _, b in worker.loads if r == job.req_id]}
         time.sleep(0.005)
     return {"finished": False, "seconds": time.monotonic() - start, "counts": worker.counts()}
 

@@ -8,6 +8,7 @@ A room is reported finished only once its pages are released (:meth:`KVSender.re
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
 import logging
@@ -47,6 +48,9 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._failed: set[str] = set()
         self._withheld: set[str] = set()  # rooms never released: their blocks stay out of vLLM's pool
+        self._block_bytes = 0
+        self.loads: collections.deque[tuple[str, float, int]] = collections.deque(maxlen=4096)
+        """Recent successful loads: (request id, seconds from asking the prefill to the last byte, bytes)."""
         self.stats: dict[str, int] = {"sends": 0, "sends_failed": 0, "receives": 0, "receives_failed": 0,
                                       "forgone": 0, "aborted": 0, "withheld": 0}
 
@@ -59,6 +63,8 @@ class WorkerSide:
         if not tensors:
             raise AiotransferError("register_kv_caches: vLLM gave no KV tensors")
         dtype = str(tensors[0].dtype).removeprefix("torch.")
+        self._block_bytes = sum(int(t[0].numel()) * int(t.element_size()) if hasattr(t, "element_size")
+                                else int(t[0].nbytes) for t in tensors)
         args = KVArgs(tensors, page_size=block_size, dtype=dtype, tp_rank=0, tp_size=1)
         bg = BackgroundManager(args, self._config.transfer_config(self._tp_rank), name="aiotransfer-vllm")
         bg.start()
@@ -159,6 +165,7 @@ class WorkerSide:
         try:
             await rx.send_metadata(list(job.block_ids), timeout=cfg.transfer_timeout)
             await rx.done(timeout=max(cfg.transfer_timeout - (time.monotonic() - start), 0.001))
+            self.loads.append((job.req_id, time.monotonic() - start, len(job.block_ids) * self._block_bytes))
         except BaseException as exc:  # any failure, cancellation included, ends the room on both sides
             failure = "cancelled (the connector is shutting down)" if not isinstance(exc, Exception) \
                 else str(exc) or type(exc).__name__

@@ -1,0 +1,157 @@
+"""``python -m aiotransfer._cli.vllm_pd SCENARIO --json OUT``: prefill -> decode through real vLLM engines.
+
+Runs only with a Python that imports vLLM (``bash scripts/vllm-venv.sh`` builds one and prints its path).
+Every engine is an offline ``vllm.LLM`` in its own process and session (:mod:`aiotransfer._cli.vllm.engine`)
+over a Llama with seeded random weights written into the work directory (:mod:`aiotransfer._cli.vllm.model`).
+
+Scenarios (:mod:`aiotransfer._cli.vllm.scenarios`):
+
+* ``single``       -- one engine without a connector: the reference tokens;
+* ``pd``           -- the reference, then per connector kind (``--kinds``): every prompt through prefill and
+                      decode with all requests in flight together, the negative control, a leak check;
+* ``negative``     -- ``pd`` reduced to the negative control (decode over another request's KV);
+* ``kill-prefill`` -- the prefill is SIGKILLed after its outputs, before the decode runs (``--policy``);
+* ``decode-abort`` -- the decode aborts a request while its KV loads; every block must come back;
+* ``bench``        -- TTFT, end-to-end and transfer time per connector kind (:mod:`aiotransfer._cli.vllm.bench`).
+
+Connector kinds: ``single``, ``nixl`` (vLLM's NixlConnector), ``aiotransfer-mooncake`` and
+``aiotransfer-nixl`` (AiotransferConnector over Mooncake TCP / NIXL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["VENV_HINT", "main", "vllm_problem", "write_json"]
+
+VENV_HINT = ("this needs a Python that imports vLLM: build it with `bash scripts/vllm-venv.sh` (it prints the "
+             "path of .vllm-venv/bin/python) and run the command with that Python")
+
+
+def vllm_problem() -> str | None:
+    """Why vLLM cannot be used from this Python (``None``: it can)."""
+    if importlib.util.find_spec("vllm") is None:
+        return f"vllm is not importable from {sys.executable}; {VENV_HINT}"
+    return None
+
+
+def write_json(path: str, data: Any) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
+
+
+def _lengths(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m aiotransfer._cli.vllm_pd",
+                                description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("scenario", choices=("single", "pd", "negative", "kill-prefill", "decode-abort", "bench"))
+    p.add_argument("--json", dest="out", default=None, help="write the results here (JSON)")
+    p.add_argument("--workdir", default=None, help="model, engine logs (default: a new temporary directory)")
+    p.add_argument("--kinds", default="nixl,aiotransfer-mooncake,aiotransfer-nixl",
+                   help="connector kinds, comma-separated (pd, negative, bench)")
+    p.add_argument("--kind", default="aiotransfer-mooncake", help="connector kind (kill-prefill, decode-abort)")
+    p.add_argument("--prompts", default=None, help="JSON file: a list of prompts (lists of token ids)")
+    p.add_argument("--lengths", default="600,100,37,257", help="prompt lengths when generated (default %(default)s)")
+    p.add_argument("--negative-len", type=int, default=200,
+                   help="length of the two prompts of the negative control (0: none; default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="prompt seed")
+    p.add_argument("--model-seed", type=int, default=0, help="weight seed")
+    p.add_argument("--no-reference", action="store_true", help="pd: skip the single-engine reference")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 32; bench 128)")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--kv-cache-mib", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=8, help="decode tokens per request")
+    p.add_argument("--transfer-timeout", type=float, default=10.0, help="connector transfer bound (s)")
+    p.add_argument("--lease", type=float, default=10.0, help="prefill lease (s), both connector families")
+    p.add_argument("--policy", choices=("fail", "recompute"), default="fail", help="kv_load_failure_policy")
+    p.add_argument("--abort-after-steps", type=int, default=1, help="decode-abort: engine steps before the abort")
+    p.add_argument("--omp-split", action="store_true", help="bind prefill OpenMP to core 0, decode to core 1")
+    bench = p.add_argument_group("bench")
+    bench.add_argument("--tokens", type=int, default=1024, help="prompt length (default %(default)s)")
+    bench.add_argument("--concurrency", default="1,8", help="requests in flight (default %(default)s)")
+    bench.add_argument("--repeats", type=int, default=None, help="rounds per concurrency (default 3; 1 with --quick)")
+    bench.add_argument("--quick", action="store_true", help="256-token prompts, 1 and 4 in flight")
+    return p
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the engines' teardown
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)
+    problem = vllm_problem()
+    if problem is not None:
+        print(f"aiotransfer vLLM harness: {problem}", file=sys.stderr)
+        return 2
+    from .vllm import scenarios as sc
+    from .vllm.engine import KINDS
+    from .vllm.model import make_tiny_llama
+
+    kinds = [k for k in ns.kinds.split(",") if k]
+    for k in [*kinds, ns.kind]:
+        if k not in KINDS:
+            print(f"unknown connector kind {k!r}; expected one of {KINDS}", file=sys.stderr)
+            return 2
+    if ns.block_size is None:
+        ns.block_size = 128 if ns.scenario == "bench" else 32
+    workdir = ns.workdir or tempfile.mkdtemp(prefix="aiotransfer-vllm-")
+    os.makedirs(workdir, exist_ok=True)
+    if ns.scenario == "bench":
+        from .vllm.bench import run_bench
+
+        return run_bench(ns, workdir)
+    t0 = time.monotonic()
+    model = make_tiny_llama(os.path.join(workdir, "model"), seed=ns.model_seed)
+    opts = sc.Options(model=model, workdir=workdir, block_size=ns.block_size, max_model_len=ns.max_model_len,
+                      kv_cache_bytes=ns.kv_cache_mib << 20, max_tokens=ns.max_tokens,
+                      transfer_timeout=ns.transfer_timeout, lease=ns.lease, policy=ns.policy,
+                      omp_split=ns.omp_split)
+    if ns.prompts:
+        with open(ns.prompts) as f:
+            prompts = [list(map(int, x)) for x in json.load(f)]
+    else:
+        prompts = sc.make_prompts(ns.seed, _lengths(ns.lengths))
+    negative = sc.make_prompts(ns.seed + 1, [ns.negative_len] * 2) if ns.negative_len > 0 else None
+    result: dict[str, Any]
+    if ns.scenario == "single":
+        result = sc.single(opts, prompts)
+    elif ns.scenario == "pd":
+        result = sc.pd(opts, kinds, prompts, negative, reference=not ns.no_reference)
+    elif ns.scenario == "negative":
+        if negative is None:
+            print("negative: --negative-len must be > 0", file=sys.stderr)
+            return 2
+        result = sc.pd(opts, kinds, [], negative, reference=not ns.no_reference)
+    elif ns.scenario == "kill-prefill":
+        result = sc.kill_prefill(opts, ns.kind, prompts)
+    else:
+        result = sc.decode_abort(opts, ns.kind, prompts, after_steps=ns.abort_after_steps)
+    result["options"] = {k: v for k, v in vars(ns).items() if k != "out"}
+    result["workdir"] = workdir
+    result["harness_wall_s"] = time.monotonic() - t0
+    if ns.out:
+        write_json(ns.out, result)
+    else:
+        json.dump(result, sys.stdout, indent=1, default=str)
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

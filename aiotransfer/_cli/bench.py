@@ -482,10 +482,12 @@ def _table(res: dict[str, Any]) -> str:
 # arguments / entry points
 # ----------------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--suite", choices=("default", "full", "lifecycle"), default="default",
+    p.add_argument("--suite", choices=("default", "full", "lifecycle", "vllm"), default="default",
                    help="default: figures (a)-(c) of raw Mooncake vs aiotransfer; full: the performance suite "
                         "(throughput vs size, scattered, loop-lag CDF, concurrency, 4 KiB latency, send_aux by "
-                        "path, TP 4->2, engines), JSON + PNG plots; lifecycle: abort -> released() latency")
+                        "path, TP 4->2, engines), JSON + PNG plots; lifecycle: abort -> released() latency; "
+                        "vllm: PD through AiotransferConnector vs vLLM's NixlConnector (run with the vLLM "
+                        "venv's Python: bash scripts/vllm-venv.sh)")
     p.add_argument("--engine", default="mooncake_tcp", help="Mooncake flavour (default mooncake_tcp)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--repeats", type=int, default=None, help="timed repetitions per figure (default 5; 2 with --quick)")
@@ -528,6 +530,10 @@ def run(ns: argparse.Namespace) -> int:
         from .lifecycle import run_lifecycle
 
         return run_lifecycle(ns)
+    if getattr(ns, "suite", "default") == "vllm":
+        from .vllm.bench import from_bench_cli
+
+        return from_bench_cli(ns)
     if getattr(ns, "suite", "default") == "full":
         from .suite.run import run_suite
 

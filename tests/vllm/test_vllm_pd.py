@@ -1,0 +1,230 @@
+"""Prefill -> decode through unmodified vLLM for CPU, with AiotransferConnector and with vLLM's NixlConnector.
+
+The engines run under the vLLM venv's Python (``scripts/vllm-venv.sh`` builds it, cached per machine);
+this module, run from the main venv, drives ``python -m aiotransfer._cli.vllm_pd`` there as a subprocess
+and checks its JSON. The model is a Llama with seeded random weights, so the next token depends on the
+context: the negative control (decode over another request's KV) must give other tokens, which proves
+the token comparison can fail. One harness run is shared by many assertions to keep the engines' start-up
+(about 10 s a pair on 2 cores) off most tests. Skipped when the venv cannot be built.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+AIOTRANSFER_KINDS = ["aiotransfer-mooncake", "aiotransfer-nixl"]
+PD_KINDS = ["nixl", *AIOTRANSFER_KINDS]
+LENGTHS = [600, 100, 37, 257]  # 600 tokens span 19 blocks of 32; all four are in flight together
+TRANSFER_TIMEOUT = 10.0
+LEASE = 10.0
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    """The vLLM venv's Python (built on first use, about 2 minutes; then checked in seconds)."""
+    try:
+        proc = subprocess.run(["bash", "scripts/vllm-venv.sh"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=1800)
+    except subprocess.TimeoutExpired as exc:
+        pytest.skip(f"scripts/vllm-venv.sh did not finish in {exc.timeout:.0f} s")
+    if proc.returncode != 0 or not proc.stdout.strip():
+        tail = "\n".join(proc.stderr.splitlines()[-15:])
+        pytest.skip(f"the vLLM venv could not be built (scripts/vllm-venv.sh exit {proc.returncode}):\n{tail}")
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def run_harness(python: str, workdir: Path, *args: str, timeout: float = 600.0) -> dict[str, Any]:
+    """Run one harness scenario; returns its JSON plus ``_wall_s`` (the subprocess's wall time)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = workdir / "result.json"
+    log = workdir / "harness.log"
+    cmd = [python, "-m", "aiotransfer._cli.vllm_pd", *args, "--workdir", str(workdir), "--json", str(out)]
+    t0 = time.monotonic()
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)  # the harness tears its engines down on SIGTERM
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            pytest.fail(f"harness {args[0]} ran past {timeout:.0f} s; log {log}:\n{_tail(log)}")
+    if rc != 0 or not out.exists():
+        pytest.fail(f"harness {args[0]} exited {rc}; log {log}:\n{_tail(log)}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    result["_wall_s"] = time.monotonic() - t0
+    print(f"[vllm] {' '.join(args)}: {result['_wall_s']:.0f} s; engine peaks (MiB): {_peaks(result)}",
+          file=sys.stderr)
+    return result
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _peaks(result: dict[str, Any]) -> dict[str, Any]:
+    """Peak RSS per engine process, from the engines' own stats."""
+    found: dict[str, Any] = {}
+    if "reference" in result:
+        found["reference"] = result["reference"].get("peak_rss_mib")
+    for kind, run in result.get("runs", {}).items():
+        found[kind] = run.get("peak_rss_mib")
+    if "peak_rss_mib" in result:
+        found["pair"] = result["peak_rss_mib"]
+    return found
+
+
+def _engine_log_hint(result: dict[str, Any]) -> str:
+    return f"engine logs in {result.get('workdir')}"
+
+
+def _assert_no_leak(settle: dict[str, Any], side: str) -> None:
+    assert settle["settled"], f"{side}: {settle['free_idle'] - settle['free']} blocks never came back: {settle}"
+    assert settle["free"] == settle["free_idle"] and settle["requests"] == 0, settle
+
+
+# ----------------------------------------------------------------------------------------------------
+# tokens: one run gives the reference and, per connector kind, PD + negative control + leak check
+# ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pd_run(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_harness(vllm_python, tmp_path_factory.mktemp("vllm-pd"), "pd", "--kinds", ",".join(PD_KINDS),
+                       "--lengths", ",".join(map(str, LENGTHS)), "--negative-len", "200", "--block-size", "32",
+                       "--max-tokens", "8", "--transfer-timeout", str(TRANSFER_TIMEOUT), "--lease", str(LEASE))
+
+
+def test_reference_is_a_real_generation(pd_run: dict[str, Any]) -> None:
+    ref = pd_run["reference"]
+    assert [r["outcome"] for r in ref["results"]] == ["ok"] * (len(LENGTHS) + 2)
+    assert all(len(t) == 8 for t in ref["tokens"])
+    assert len({tuple(t) for t in ref["tokens"]}) == len(ref["tokens"]), "different prompts, same tokens?"
+
+
+@pytest.mark.parametrize("kind", PD_KINDS)
+def test_pd_tokens_equal_the_single_engine(pd_run: dict[str, Any], kind: str) -> None:
+    run = pd_run["runs"][kind]
+    assert "error" not in run, f"{run['error']}\n{_engine_log_hint(pd_run)}"
+    assert [r["outcome"] for r in run["prefill"]] == ["ok"] * len(LENGTHS)
+    assert [r["outcome"] for r in run["decode"]] == ["ok"] * len(LENGTHS), run["decode"]
+    assert run["tokens"] == pd_run["reference"]["tokens"][:len(LENGTHS)]
+    # the KV really crossed: one load per request, of the prompt's blocks
+    records = run["transfers"]["records"]
+    assert len(records) == len(LENGTHS), run["transfers"]
+    block_bytes = 4 * 2 * 2 * 64 * 4 * 32  # layers x K,V x KV heads x head_dim x fp32 x block_size
+    assert sorted(r["bytes"] for r in records) == sorted(-(-n // 32) * block_bytes for n in LENGTHS)
+
+
+@pytest.mark.parametrize("kind", PD_KINDS)
+def test_negative_control_decode_over_another_requests_kv_differs(pd_run: dict[str, Any], kind: str) -> None:
+    run = pd_run["runs"][kind]
+    assert "error" not in run, run["error"]
+    neg = run["negative"]
+    assert neg["outcomes"] == ["ok", "ok"]
+    ref = pd_run["reference"]["tokens"][len(LENGTHS):]
+    for got, want in zip(neg["tokens"], ref, strict=True):
+        assert got != want, "decode over the other prompt's KV gave the reference tokens: the test cannot fail"
+
+
+@pytest.mark.parametrize("kind", PD_KINDS)
+def test_pd_leaves_every_block_free(pd_run: dict[str, Any], kind: str) -> None:
+    run = pd_run["runs"][kind]
+    assert "error" not in run, run["error"]
+    for side in ("prefill", "decode"):
+        _assert_no_leak(run["settle"][side], f"{kind} {side}")
+
+
+@pytest.mark.parametrize("kind", AIOTRANSFER_KINDS)
+def test_aiotransfer_connector_counts(pd_run: dict[str, Any], kind: str) -> None:
+    run = pd_run["runs"][kind]
+    assert "error" not in run, run["error"]
+    n = len(LENGTHS) + 2
+    prefill, decode = run["stats"]["prefill"], run["stats"]["decode"]
+    assert prefill["worker"]["sends"] == n and prefill["worker"]["sends_failed"] == 0, prefill
+    assert decode["worker"]["receives"] == n and decode["worker"]["receives_failed"] == 0, decode
+    for stats in (prefill, decode):
+        assert stats["worker"]["in_flight"] == 0 and stats["worker"]["withheld"] == 0, stats
+        assert stats["scheduler"] == {"sending": 0, "receiving": 0, "prefilling": 0}, stats
+
+
+# ----------------------------------------------------------------------------------------------------
+# faults
+# ----------------------------------------------------------------------------------------------------
+FAULTS = [(kind, policy) for kind in AIOTRANSFER_KINDS for policy in ("fail", "recompute")]
+
+
+@pytest.fixture(scope="module", params=FAULTS, ids=[f"{k}-{p}" for k, p in FAULTS])
+def killed_prefill(request: pytest.FixtureRequest, vllm_python: str,
+                   tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    kind, policy = request.param
+    return run_harness(vllm_python, tmp_path_factory.mktemp(f"vllm-kill-{kind}-{policy}"), "kill-prefill",
+                       "--kind", kind, "--policy", policy, "--lengths", "600,100,37",
+                       "--transfer-timeout", str(TRANSFER_TIMEOUT), "--lease", str(LEASE))
+
+
+def test_killed_prefill_fails_or_recomputes_within_bound(killed_prefill: dict[str, Any]) -> None:
+    res = killed_prefill
+    assert res["prefill_dead"], "the prefill survived SIGKILL?"
+    assert res["decode_s"] < TRANSFER_TIMEOUT + 5, f"decode took {res['decode_s']:.1f} s: {res['outcomes']}"
+    if res["policy"] == "fail":
+        assert res["outcomes"] == ["error"] * 3, res["decode"]
+    else:
+        assert res["outcomes"] == ["ok"] * 3, res["decode"]
+        assert res["tokens"] == res["local_tokens"]
+
+
+def test_killed_prefill_leaks_no_decode_block(killed_prefill: dict[str, Any]) -> None:
+    res = killed_prefill
+    before = res["blocks_before"]
+    assert before["free"] == before["free_idle"]
+    _assert_no_leak(res["settle"], "decode")
+    worker = res["decode_stats"]["worker"]
+    assert worker["receives"] == 3 and worker["receives_failed"] == 3, worker
+    assert worker["in_flight"] == 0 and worker["withheld"] == 0, worker
+    assert res["blocks_after"]["free"] == before["free_idle"]
+
+
+@pytest.fixture(scope="module", params=AIOTRANSFER_KINDS)
+def aborted_decode(request: pytest.FixtureRequest, vllm_python: str,
+                   tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_harness(vllm_python, tmp_path_factory.mktemp(f"vllm-abort-{request.param}"), "decode-abort",
+                       "--kind", request.param, "--lengths", "600,100", "--abort-after-steps", "1",
+                       "--transfer-timeout", str(TRANSFER_TIMEOUT), "--lease", str(LEASE))
+
+
+def test_decode_abort_returns_every_block_on_both_sides(aborted_decode: dict[str, Any]) -> None:
+    res = aborted_decode
+    assert res["outcomes"] == ["aborted", "ok"]
+    assert res["tokens"][1] == res["local_tokens"][1]
+    held = res["prefill_blocks_after_decode"]
+    assert held["free"] <= held["free_idle"]
+    for side in ("prefill", "decode"):
+        _assert_no_leak(res["settle"][side], side)
+    # the prefill hears of the abort: its blocks come back well before its lease would have freed them
+    assert res["prefill_free_after_s"] < LEASE / 2, res["prefill_free_after_s"]
+    for side in ("prefill", "decode"):
+        worker = res["stats"][side]["worker"]
+        assert worker["in_flight"] == 0 and worker["withheld"] == 0, worker
+
+
+def test_harness_runs_fit_the_budget(pd_run: dict[str, Any]) -> None:
+    """The shared run stays cheap enough for CI on 2 cores (one pair per kind, one reference engine)."""
+    assert pd_run["_wall_s"] < 300, pd_run["_wall_s"]
+    for kind in PD_KINDS:
+        peaks = pd_run["runs"][kind].get("peak_rss_mib") or {}
+        for side in ("prefill", "decode"):
+            assert peaks.get(side) is None or peaks[side] < 2048, peaks
+

@@ -127,6 +127,8 @@ def _table(res: dict[str, Any]) -> str:
             lines.append(f"{k}: FAILED: {err.splitlines()[0]}")
     lines.append("transfer_s sources: " + "; ".join(
         f"{k}: {res['kinds'][k].get('transfer_source')}" for k in kinds))
+    lines.append("NIXL's UCX progress thread spins a core per engine, on and off, on this 2-core machine: the NIXL "
+                 "rows (both connectors) vary by several x between rounds; Mooncake TCP has no spinning thread")
     lines.append(f"wall {res['wall_s']:.0f} s")
     return "\n".join(lines)
 

@@ -6,6 +6,7 @@ environment is set; vLLM is imported here, lazily, so the module itself imports 
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 from typing import Any
@@ -76,8 +77,6 @@ class Server:
         return conn
 
     def info(self) -> dict[str, Any]:
-        import os
-
         return {"pid": os.getpid(), "kind": self.spec.kind, "role": self.spec.role, "ready_s": self.ready_s,
                 "free_idle": self.free_idle, "num_blocks": int(self.pool.num_gpu_blocks),
                 "block_size": self.spec.block_size, "dtype": self.spec.dtype, "peak_rss_mib": _peak_rss_mib()}
@@ -163,8 +162,7 @@ class Server:
             free = int(self.pool.get_num_free_blocks())
             if (free == self.free_idle and not self.scheduler.requests) or time.monotonic() - t0 > timeout:
                 break
-            if self.engine.step():
-                pass
+            self.engine.step()
             steps += 1
             time.sleep(0.002)
         return {"free": free, "free_idle": self.free_idle, "requests": len(self.scheduler.requests),

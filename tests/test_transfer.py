@@ -219,12 +219,22 @@ async def test_decode_side_validation(prefill: KVManager, decode: RemotePeer) ->
 
 async def test_wrong_peer_is_a_bounded_clear_error(decode: RemotePeer) -> None:
     import socket
+    import time
 
-    with socket.socket() as s:  # a port with nothing aiotransfer behind it
+    with socket.socket() as s:  # bound, not listening: the port refuses, so the call fails at once
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError, match="refuses connections") as info:
+            await decode.call("receiver", room=50, peer=f"127.0.0.1:{port}", pages=[1], timeout=5.0)
+        assert time.monotonic() - t0 < 3.0
+    assert info.value.error == "PeerError"
+    with socket.socket() as s:  # listening, but nothing aiotransfer behind it: the budget runs out
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
         with pytest.raises(RemoteError, match="no registration answer") as info:
-            await decode.call("receiver", room=50, peer=f"127.0.0.1:{port}", pages=[1], timeout=1.0)
+            await decode.call("receiver", room=52, peer=f"127.0.0.1:{port}", pages=[1], timeout=1.0)
     assert info.value.error == "PeerError"
     with pytest.raises(RemoteError, match="must be 'host:port'"):
         await decode.call("receiver", room=51, peer="nonsense", pages=[1])

@@ -15,12 +15,15 @@ from typing import Any
 from ...config import TransferConfig
 from ...errors import ConfigError, InvalidArgument
 
-__all__ = ["ConnectorConfig", "RemotePrefill", "room_of", "KEY_ENDPOINT", "KEY_ROOM"]
+__all__ = ["ConnectorConfig", "RemotePrefill", "room_of", "FORGONE", "KEY_ENDPOINT", "KEY_ROOM"]
 
 KEY_ENDPOINT = "aiotransfer_endpoint"
 """``kv_transfer_params`` key: the prefill worker's control address (``tcp://host:port``)."""
 KEY_ROOM = "aiotransfer_room"
 """``kv_transfer_params`` key: the room both sides use for this request."""
+
+FORGONE = "the decode request needs no KV from this prefill (ended, or a local cache hit)"
+"""The abort reason a decode gives a prefill room it will never ask for; the prefill frees its blocks."""
 
 _ENGINES = ("mooncake_tcp", "mooncake", "nixl")
 

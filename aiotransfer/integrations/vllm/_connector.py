@@ -8,6 +8,7 @@ metadata. Push, not pull: the decode's worker tells the prefill's worker where t
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,19 @@ from ._worker import WorkerSide
 __all__ = ["AiotransferConnector", "AiotransferHandshake", "AiotransferMetadata"]
 
 _COMPLETED = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+def _log_through_vllm() -> None:
+    """Under vLLM only the ``vllm`` logger has a handler, so aiotransfer's INFO lines would vanish and its
+    warnings print bare. Route them through vLLM's handlers and level, unless the application configured
+    logging for aiotransfer or the root logger itself."""
+    ours, theirs = logging.getLogger("aiotransfer"), logging.getLogger("vllm")
+    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(theirs.getEffectiveLevel())
 
 
 class AiotransferMetadata(KVConnectorMetadata):
@@ -54,6 +68,7 @@ class AiotransferConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_through_vllm()
         self._config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:

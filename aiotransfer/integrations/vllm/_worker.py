@@ -23,7 +23,7 @@ from ...manager import KVManager
 from ...receiver import KVReceiver
 from ...sender import KVSender
 from .._sync import BackgroundManager
-from ._config import ConnectorConfig
+from ._config import FORGONE, ConnectorConfig
 from ._scheduler import Orders, RecvJob, SendJob
 
 __all__ = ["WorkerSide"]
@@ -51,8 +51,8 @@ class WorkerSide:
         self._block_bytes = 0
         self.loads: collections.deque[tuple[str, float, int]] = collections.deque(maxlen=4096)
         """Recent successful loads: (request id, seconds from asking the prefill to the last byte, bytes)."""
-        self.stats: dict[str, int] = {"sends": 0, "sends_failed": 0, "receives": 0, "receives_failed": 0,
-                                      "forgone": 0, "aborted": 0, "withheld": 0}
+        self.stats: dict[str, int] = {"sends": 0, "sends_failed": 0, "sends_forgone": 0, "receives": 0,
+                                      "receives_failed": 0, "forgone": 0, "aborted": 0, "withheld": 0}
 
     # -- start and stop --------------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, Any], block_size: int) -> str:
@@ -179,7 +179,11 @@ class WorkerSide:
                         blocks: Iterable[int]) -> None:
         """Wait until the room's pages are provably untouched, then report the request finished."""
         what = "send" if sending else "load"
-        if failure is not None:
+        if failure is not None and FORGONE in failure:
+            # The decode never needed this KV (it ended, or its prefix cache held it): expected, not an error.
+            self.stats["sends_forgone" if sending else "receives_failed"] += 1
+            log.info("aiotransfer: KV %s of request %s (room %d) not needed: %s", what, req_id, side.room, failure)
+        elif failure is not None:
             self.stats["sends_failed" if sending else "receives_failed"] += 1
             log.warning("aiotransfer: KV %s of request %s (room %d) failed: %s", what, req_id, side.room, failure)
         try:
@@ -231,4 +235,4 @@ class WorkerSide:
     @staticmethod
     async def _forgo(mgr: KVManager, room: int, endpoint: str) -> None:
         rx = mgr.receiver(room, peer=endpoint)
-        await rx.abort("the decode request needs no KV from this prefill (ended, or a local cache hit)")
+        await rx.abort(FORGONE)

@@ -154,6 +154,14 @@ def test_bad_extra_config_is_refused_naming_the_key(extra: dict[str, Any], why: 
         ConnectorConfig.from_extra(extra).transfer_config()
 
 
+def test_nixl_progress_thread_is_paced_unless_the_user_sets_it() -> None:
+    assert ConnectorConfig.from_extra({"engine": "nixl"}).transfer_config().nixl_progress_delay_us == 200
+    own = ConnectorConfig.from_extra({"engine": "nixl", "transfer": {"nixl_progress_delay_us": 0}})
+    assert own.transfer_config().nixl_progress_delay_us == 0
+    assert ConnectorConfig.from_extra({"engine": "mooncake_tcp"}).transfer_config().nixl_progress_delay_us == 0
+    assert ConnectorConfig.from_extra({"lease": 7}).transfer_config().ready_timeout == 7
+
+
 # -- worker side over a real engine, two processes -------------------------------------------------
 class DecodeWorker:
     def __init__(self, engine: str) -> None:

@@ -15,7 +15,8 @@ Scenarios (:mod:`aiotransfer._cli.vllm.scenarios`):
 * ``bench``        -- TTFT, end-to-end and transfer time per connector kind (:mod:`aiotransfer._cli.vllm.bench`).
 
 Connector kinds: ``single``, ``nixl`` (vLLM's NixlConnector), ``aiotransfer-mooncake`` and
-``aiotransfer-nixl`` (AiotransferConnector over Mooncake TCP / NIXL).
+``aiotransfer-nixl`` (AiotransferConnector over Mooncake TCP / NIXL), ``aiotransfer-nixl-spin`` (over NIXL
+with UCX's progress thread spinning, as NixlConnector runs it).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("scenario", choices=("single", "pd", "negative", "kill-prefill", "decode-abort", "bench"))
     p.add_argument("--json", dest="out", default=None, help="write the results here (JSON)")
     p.add_argument("--workdir", default=None, help="model, engine logs (default: a new temporary directory)")
-    p.add_argument("--kinds", default="nixl,aiotransfer-mooncake,aiotransfer-nixl",
+    p.add_argument("--kinds", default="nixl,aiotransfer-mooncake,aiotransfer-nixl,aiotransfer-nixl-spin",
                    help="connector kinds, comma-separated (pd, negative, bench)")
     p.add_argument("--kind", default="aiotransfer-mooncake", help="connector kind (kill-prefill, decode-abort)")
     p.add_argument("--prompts", default=None, help="JSON file: a list of prompts (lists of token ids)")

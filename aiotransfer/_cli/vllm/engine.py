@@ -24,10 +24,14 @@ from typing import Any
 
 __all__ = ["KINDS", "Engine", "EngineDied", "EngineError", "EngineSpec", "kv_transfer_config"]
 
-KINDS = ("single", "nixl", "aiotransfer-mooncake", "aiotransfer-nixl")
-"""``single``: no connector; ``nixl``: vLLM's NixlConnector; ``aiotransfer-*``: AiotransferConnector."""
+KINDS = ("single", "nixl", "aiotransfer-mooncake", "aiotransfer-nixl", "aiotransfer-nixl-spin")
+"""``single``: no connector; ``nixl``: vLLM's NixlConnector; ``aiotransfer-*``: AiotransferConnector
+(``aiotransfer-nixl-spin``: over NIXL with UCX's progress thread spinning, as NixlConnector runs it,
+instead of the connector's paced default)."""
 
-_AIOTRANSFER_ENGINE = {"aiotransfer-mooncake": "mooncake_tcp", "aiotransfer-nixl": "nixl"}
+_AIOTRANSFER_ENGINE = {"aiotransfer-mooncake": "mooncake_tcp", "aiotransfer-nixl": "nixl",
+                       "aiotransfer-nixl-spin": "nixl"}
+_AIOTRANSFER_TRANSFER: dict[str, dict[str, Any]] = {"aiotransfer-nixl-spin": {"nixl_progress_delay_us": 0}}
 _ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
@@ -80,7 +84,8 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
         return {"kv_connector": "AiotransferConnector", "kv_connector_module_path": "aiotransfer.integrations.vllm",
                 "kv_role": _ROLES[spec.role], "kv_load_failure_policy": spec.failure_policy,
                 "kv_connector_extra_config": {"engine": _AIOTRANSFER_ENGINE[spec.kind],
-                                              "transfer_timeout": spec.transfer_timeout, "lease": spec.lease}}
+                                              "transfer_timeout": spec.transfer_timeout, "lease": spec.lease,
+                                              "transfer": _AIOTRANSFER_TRANSFER.get(spec.kind, {})}}
     raise ValueError(f"unknown connector kind {spec.kind!r}; expected one of {KINDS}")
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from ...config import TransferConfig
 from ...errors import ConfigError, InvalidArgument
 
-__all__ = ["ConnectorConfig", "RemotePrefill", "room_of", "FORGONE", "KEY_ENDPOINT", "KEY_ROOM"]
+__all__ = ["ConnectorConfig", "RemotePrefill", "room_of", "FORGONE", "NIXL_PROGRESS_DELAY_US", "KEY_ENDPOINT", "KEY_ROOM"]
 
 KEY_ENDPOINT = "aiotransfer_endpoint"
 """``kv_transfer_params`` key: the prefill worker's control address (``tcp://host:port``)."""
@@ -24,6 +24,9 @@ KEY_ROOM = "aiotransfer_room"
 
 FORGONE = "the decode request needs no KV from this prefill (ended, or a local cache hit)"
 """The abort reason a decode gives a prefill room it will never ask for; the prefill frees its blocks."""
+
+NIXL_PROGRESS_DELAY_US = 200
+"""The connector's default ``TransferConfig.nixl_progress_delay_us`` (NIXL's own default is 0: spin)."""
 
 _ENGINES = ("mooncake_tcp", "mooncake", "nixl")
 
@@ -37,6 +40,11 @@ class ConnectorConfig:
     a prefill holds a finished request's blocks for a decode that has not asked for them yet.
     ``release_timeout`` bounds the wait for a failed room's pages to be provably untouched; a room that
     does not get there keeps its blocks out of vLLM's pool (logged) rather than risk another request's KV.
+
+    With ``engine="nixl"`` the connector lets UCX's progress thread sleep up to
+    :data:`NIXL_PROGRESS_DELAY_US` between polls unless ``transfer`` sets ``nixl_progress_delay_us``
+    itself: a thread spinning a core in every vLLM process slows the engines' own steps (see the vLLM page
+    of the docs for the figures).
     """
 
     engine: str = "mooncake_tcp"
@@ -76,6 +84,8 @@ class ConnectorConfig:
         port = self.port + tp_rank if self.port else 0
         timeouts = {"handshake_timeout": self.transfer_timeout, "transfer_timeout": self.transfer_timeout,
                     "done_timeout": self.transfer_timeout, "ready_timeout": self.lease}
+        if self.engine == "nixl":
+            timeouts["nixl_progress_delay_us"] = NIXL_PROGRESS_DELAY_US
         try:
             return TransferConfig(engine=self.engine, hostname=self.hostname, control_port=port,
                                   **{**timeouts, **dict(self.transfer)})

@@ -14,9 +14,10 @@ a round submitted together, prefill first, then decode). Per request (medians ov
   handshake and notifications, so ``decode_ttft_s`` is the like-for-like comparison;
 * ``bytes``         -- KV blocks moved x block bytes.
 
-Ratios are aiotransfer / NixlConnector (< 1: aiotransfer faster). Engines here share 2 CPU cores, and
-NIXL's UCX progress thread spins a core per engine: absolute numbers are this machine's, the ratios
-are from the same run.
+Ratios are aiotransfer / NixlConnector (< 1: aiotransfer faster). Engines here share 2 CPU cores. NIXL's
+UCX progress thread spins a core per engine under NixlConnector and ``aiotransfer-nixl-spin``;
+``aiotransfer-nixl`` runs the connector's default, which paces it. Absolute numbers are this machine's, the
+ratios are from the same run.
 """
 
 from __future__ import annotations
@@ -127,8 +128,9 @@ def _table(res: dict[str, Any]) -> str:
             lines.append(f"{k}: FAILED: {err.splitlines()[0]}")
     lines.append("transfer_s sources: " + "; ".join(
         f"{k}: {res['kinds'][k].get('transfer_source')}" for k in kinds))
-    lines.append("NIXL's UCX progress thread spins a core per engine, on and off, on this 2-core machine: the NIXL "
-                 "rows (both connectors) vary by several x between rounds; Mooncake TCP has no spinning thread")
+    lines.append("nixl and aiotransfer-nixl-spin: NIXL's UCX progress thread spins a core per engine on this 2-core "
+                 "machine, and their rows vary by several x between rounds; aiotransfer-nixl paces it (the "
+                 "connector's default) and Mooncake TCP has no spinning thread")
     lines.append(f"wall {res['wall_s']:.0f} s")
     return "\n".join(lines)
 

@@ -1,4 +1,4 @@
-# Sourced by scripts/setup.sh and scripts/interop-venv.sh (which define `say`).
+# Sourced by scripts/setup.sh, scripts/interop-venv.sh and scripts/vllm-venv.sh (which define `say`).
 # ensure_debian_libs: install the Debian libraries mooncake's engine.so links against, when missing.
 ensure_debian_libs() {
     # Read the linker cache once: `ldconfig -p | grep -q` under pipefail can fail spuriously (SIGPIPE).

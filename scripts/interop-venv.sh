@@ -69,61 +69,21 @@ source "$(dirname "${BASH_SOURCE[0]}")/debian-libs.sh"
 ensure_debian_libs
 
 # --- 1. the SGLang base venv (once per machine and recipe) ---------------------------------------------
-base_valid() {
-    [ -f "$BASE_STAMP" ] && [ "$(head -n1 "$BASE_STAMP")" = "$RECIPE_ID" ] \
-        && "$BASE/bin/python" -c "$CHECK" >/dev/null 2>&1
-}
+source "$(dirname "${BASH_SOURCE[0]}")/layered-venv.sh"
 
 if [ "$REBUILD" -eq 1 ] || ! base_valid; then
-    t0=$(date +%s)
-    say "building the SGLang base venv in $BASE (takes a few minutes; about 2 GB)"
-    rm -rf "$BASE"
-    mkdir -p "$CACHE"
-    "$PYTHON" -m venv --clear "$BASE"
-    BPIP=("$BASE/bin/python" -m pip install -q --disable-pip-version-check --no-input)
-    pip_q "${BPIP[@]}" --upgrade pip
-    # torch: only the CPU wheel. It lies in /opt/wheels here (pip's find-links); add it explicitly too, in
-    # case the environment's pip settings were dropped.
-    links=()
-    [ -d /opt/wheels ] && links=(--find-links /opt/wheels)
+    base_create SGLang "2 GB"
     say "step 1/4: ${STEP1[*]}"
-    pip_q "${BPIP[@]}" "${links[@]}" "${STEP1[@]}" \
+    pip_q "${BPIP[@]}" "${LINKS[@]}" "${STEP1[@]}" \
         || die "step 1 failed (torch==2.13.0+cpu must come from a local CPU wheel, e.g. /opt/wheels)"
     say "step 2/4: --no-deps ${STEP2[*]}"
     pip_q "${BPIP[@]}" --no-deps "${STEP2[@]}"
     say "step 3/4: SGLang's runtime dependencies"
-    pip_q "${BPIP[@]}" "${links[@]}" "${STEP3[@]}"
-    # Guard: nothing above may have swapped torch for a CUDA build or pulled nvidia-* wheels.
-    if "$BASE/bin/python" -m pip list 2>/dev/null | grep -qi '^nvidia-'; then
-        die "a CUDA dependency (nvidia-*) got into $BASE; refusing to go on"
-    fi
-    err="$("$BASE/bin/python" -c "$CHECK" 2>&1 && PYTHONPATH="$STUBS" "$BASE/bin/python" -W ignore -c "$FULL_CHECK" 2>&1)" \
-        || { printf '%s\n' "$err" | tail -n 8 >&2; die "base venv check failed"; }
-    "$BASE/bin/python" -m pip freeze 2>/dev/null >"$BASE/.interop-freeze.txt" || true
-    t1=$(date +%s)
-    printf '%s\nbuilt %s in %ss\n' "$RECIPE_ID" "$(date -u +%FT%TZ)" "$((t1 - t0))" >"$BASE_STAMP"
-    say "step 4/4 done: base venv built in $((t1 - t0)) s, $(du -sh "$BASE" | cut -f1)"
+    pip_q "${BPIP[@]}" "${LINKS[@]}" "${STEP3[@]}"
+    base_finish .interop-freeze.txt env PYTHONPATH="$STUBS" "$BASE/bin/python" -W ignore -c "$FULL_CHECK"
 fi
-BASE_SITE="$("$BASE/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 
 # --- 2. .interop-venv in this checkout -----------------------------------------------------------------
-venv_valid() {
-    [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$BASE $ROOT" ] && [ "$STAMP" -nt pyproject.toml ] \
-        && [ "$("$VENV/bin/python" -c 'import os, aiotransfer, importlib.util as u; assert u.find_spec("sglang"); print(os.path.dirname(os.path.dirname(os.path.realpath(aiotransfer.__file__))))' 2>/dev/null)" = "$ROOT" ]
-}
-
-if [ "$REBUILD" -eq 1 ] || ! venv_valid; then
-    say "creating $VENV on top of $BASE"
-    rm -rf "$VENV"
-    "$BASE/bin/python" -m venv --without-pip "$VENV"
-    VSITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-    # addsitedir (not a bare path line) so the base's own .pth files (editable installs etc.) run too.
-    printf 'import site; site.addsitedir(%s)\n' "'$BASE_SITE'" >"$VSITE/_interop_base.pth"
-    # This checkout's aiotransfer, editable; its runtime deps (numpy, pyzmq, anyio, msgspec) are in the base.
-    pip_q "$BASE/bin/python" -m pip --python "$VENV/bin/python" install -q --disable-pip-version-check \
-        --no-input --no-deps -e "$ROOT"
-    printf '%s %s\n' "$BASE" "$ROOT" >"$STAMP"
-    venv_valid || die "$VENV does not import aiotransfer from $ROOT and sglang from $BASE"
-fi
+overlay_venv sglang _interop_base.pth
 
 echo "$VENV/bin/python"

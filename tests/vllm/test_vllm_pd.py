@@ -30,20 +30,6 @@ LEASE = 10.0
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 
-@pytest.fixture(scope="module")
-def vllm_python() -> str:
-    """The vLLM venv's Python (built on first use, about 2 minutes; then checked in seconds)."""
-    try:
-        proc = subprocess.run(["bash", "scripts/vllm-venv.sh"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=1800)
-    except subprocess.TimeoutExpired as exc:
-        pytest.skip(f"scripts/vllm-venv.sh did not finish in {exc.timeout:.0f} s")
-    if proc.returncode != 0 or not proc.stdout.strip():
-        tail = "\n".join(proc.stderr.splitlines()[-15:])
-        pytest.skip(f"the vLLM venv could not be built (scripts/vllm-venv.sh exit {proc.returncode}):\n{tail}")
-    return proc.stdout.strip().splitlines()[-1]
-
-
 def run_harness(python: str, workdir: Path, *args: str, timeout: float = 600.0) -> dict[str, Any]:
     """Run one harness scenario; returns its JSON plus ``_wall_s`` (the subprocess's wall time)."""
     workdir.mkdir(parents=True, exist_ok=True)

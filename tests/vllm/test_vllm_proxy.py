@@ -54,20 +54,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def vllm_python() -> str:
-    """The vLLM venv's Python (built on first use, a few minutes; then checked in seconds)."""
-    try:
-        proc = subprocess.run(["bash", "scripts/vllm-venv.sh"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=1800)
-    except subprocess.TimeoutExpired as exc:
-        pytest.skip(f"scripts/vllm-venv.sh did not finish in {exc.timeout:.0f} s")
-    if proc.returncode != 0 or not proc.stdout.strip():
-        tail = "\n".join(proc.stderr.splitlines()[-15:])
-        pytest.skip(f"the vLLM venv could not be built (scripts/vllm-venv.sh exit {proc.returncode}):\n{tail}")
-    return proc.stdout.strip().splitlines()[-1]
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -2,7 +2,8 @@
 
 Runs only with a Python that imports vLLM (``bash scripts/vllm-venv.sh`` builds one and prints its path).
 Every engine is an offline ``vllm.LLM`` in its own process and session (:mod:`aiotransfer._cli.vllm.engine`)
-over a Llama with seeded random weights written into the work directory (:mod:`aiotransfer._cli.vllm.model`).
+over a Llama (or, ``--model hybrid``, a Mamba2 + attention GraniteMoeHybrid) with seeded random weights
+written into the work directory (:mod:`aiotransfer._cli.vllm.model`).
 
 Scenarios (:mod:`aiotransfer._cli.vllm.scenarios`):
 
@@ -72,7 +73,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="prompt seed")
     p.add_argument("--model-seed", type=int, default=0, help="weight seed")
     p.add_argument("--no-reference", action="store_true", help="pd: skip the single-engine reference")
-    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 32; bench 128)")
+    p.add_argument("--model", choices=("llama", "hybrid"), default="llama",
+                   help="llama, or hybrid: Mamba2 and attention layers (default %(default)s)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default 32; bench 128; hybrid: vLLM's choice)")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--kv-cache-mib", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=8, help="decode tokens per request")
@@ -102,23 +106,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from .vllm import scenarios as sc
     from .vllm.engine import KINDS
-    from .vllm.model import make_tiny_llama
+    from .vllm.model import make_tiny_hybrid, make_tiny_llama
 
     kinds = [k for k in ns.kinds.split(",") if k]
     for k in [*kinds, ns.kind]:
         if k not in KINDS:
             print(f"unknown connector kind {k!r}; expected one of {KINDS}", file=sys.stderr)
             return 2
-    if ns.block_size is None:
+    if ns.block_size is None and ns.model == "llama":
         ns.block_size = 128 if ns.scenario == "bench" else 32
     workdir = ns.workdir or tempfile.mkdtemp(prefix="aiotransfer-vllm-")
     os.makedirs(workdir, exist_ok=True)
     if ns.scenario == "bench":
+        if ns.model != "llama":
+            print("bench: only --model llama", file=sys.stderr)
+            return 2
         from .vllm.bench import run_bench
 
         return run_bench(ns, workdir)
     t0 = time.monotonic()
-    model = make_tiny_llama(os.path.join(workdir, "model"), seed=ns.model_seed)
+    make_model = make_tiny_hybrid if ns.model == "hybrid" else make_tiny_llama
+    model = make_model(os.path.join(workdir, "model"), seed=ns.model_seed)
     opts = sc.Options(model=model, workdir=workdir, block_size=ns.block_size, max_model_len=ns.max_model_len,
                       kv_cache_bytes=ns.kv_cache_mib << 20, max_tokens=ns.max_tokens,
                       transfer_timeout=ns.transfer_timeout, lease=ns.lease, policy=ns.policy,

@@ -53,7 +53,8 @@ class EngineSpec:
     role: str | None = None
     """``prefill`` or ``decode`` (ignored for ``single``)."""
     log_path: str = "engine.log"
-    block_size: int = 32
+    block_size: int | None = 32
+    """Tokens per KV block; ``None``: vLLM's choice (a hybrid model's attention block is sized to its Mamba page)."""
     max_model_len: int = 1024
     kv_cache_bytes: int = 64 << 20
     dtype: str = "float32"

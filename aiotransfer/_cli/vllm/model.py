@@ -112,3 +112,85 @@ def make_tiny_llama(path: str, seed: int = 0, spec: ModelSpec = TINY, scale: flo
     with open(os.path.join(path, "aiotransfer-model.json"), "w") as f:
         json.dump({"seed": seed, "scale": scale, **asdict(spec)}, f)
     return path
+
+
+@dataclass(frozen=True)
+class HybridSpec:
+    """Shape of the Mamba2 + attention model written by :func:`make_tiny_hybrid` (fp32)."""
+
+    hidden: int = 256
+    layer_types: tuple[str, ...] = ("mamba", "attention", "mamba", "attention")
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 512
+    vocab: int = 1024
+    mamba_heads: int = 8
+    mamba_head_dim: int = 64
+    mamba_state: int = 64
+    max_position_embeddings: int = 2048
+
+
+TINY_HYBRID = HybridSpec()
+"""Tests: two Mamba2 and two attention layers, dense MLPs (no experts)."""
+
+
+def _hybrid_config(spec: HybridSpec) -> dict[str, Any]:
+    return {
+        "architectures": ["GraniteMoeHybridForCausalLM"],
+        "model_type": "granitemoehybrid",
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "shared_intermediate_size": spec.intermediate,
+        "num_local_experts": 0,
+        "num_hidden_layers": len(spec.layer_types),
+        "layer_types": list(spec.layer_types),
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "mamba_n_heads": spec.mamba_heads,
+        "mamba_d_head": spec.mamba_head_dim,
+        "mamba_d_state": spec.mamba_state,
+        "mamba_n_groups": 1,
+        "mamba_d_conv": 4,
+        "mamba_expand": spec.mamba_heads * spec.mamba_head_dim // spec.hidden,
+        "mamba_chunk_size": 256,
+        "position_embedding_type": "rope",
+        "max_position_embeddings": spec.max_position_embeddings,
+        "vocab_size": spec.vocab,
+        "rms_norm_eps": 1e-5,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+
+
+def make_tiny_hybrid(path: str, seed: int = 0, spec: HybridSpec = TINY_HYBRID, scale: float = 0.05) -> str:
+    """Write a GraniteMoeHybrid checkpoint (Mamba2 and attention layers) with seeded random weights.
+
+    The shapes and names come from transformers' own model class, built under ``torch.manual_seed(seed)``;
+    every matrix is then redrawn as ``randn * scale`` from a seeded generator (norms = 1, Mamba's ``A_log``,
+    ``D`` and ``dt_bias`` kept at their usual values), so the next token depends on the context.
+    """
+    torch: Any = importlib.import_module("torch")
+    transformers: Any = importlib.import_module("transformers")
+    save_file = importlib.import_module("safetensors.torch").save_file
+    os.makedirs(path, exist_ok=True)
+    config = transformers.GraniteMoeHybridConfig(**{k: v for k, v in _hybrid_config(spec).items()
+                                                    if k not in ("architectures", "model_type", "torch_dtype")})
+    torch.manual_seed(seed)
+    model = transformers.GraniteMoeHybridForCausalLM(config)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, value in sorted(model.state_dict().items()):
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(value.shape, dtype=torch.float32)
+        elif name.endswith(("A_log", "D", "dt_bias")):
+            tensors[name] = torch.zeros(value.shape, dtype=torch.float32) + (1.0 if name.endswith("D") else 0.0)
+        else:
+            tensors[name] = torch.randn(value.shape, generator=gen, dtype=torch.float32) * scale
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(_hybrid_config(spec), f, indent=2)
+    with open(os.path.join(path, "aiotransfer-model.json"), "w") as f:
+        json.dump({"seed": seed, "scale": scale, **asdict(spec)}, f)
+    return path

@@ -30,7 +30,7 @@ PREFILL_PARAMS: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill":
 class Options:
     model: str
     workdir: str
-    block_size: int = 32
+    block_size: int | None = 32
     max_model_len: int = 1024
     kv_cache_bytes: int = 64 << 20
     max_tokens: int = 8

@@ -40,10 +40,11 @@ class Server:
         self.spec = spec
         fields = kv_transfer_config(spec)
         ktc = KVTransferConfig(**fields) if fields is not None else None
+        sizing = {"block_size": spec.block_size} if spec.block_size is not None else {}
         self.llm: Any = LLM(model=spec.model, skip_tokenizer_init=True, enforce_eager=True,
                             max_model_len=spec.max_model_len, kv_cache_memory_bytes=spec.kv_cache_bytes,
-                            block_size=spec.block_size, enable_prefix_caching=False, kv_transfer_config=ktc,
-                            dtype=spec.dtype, seed=0)
+                            enable_prefix_caching=False, kv_transfer_config=ktc, dtype=spec.dtype, seed=0,
+                            **sizing)
         self.engine: Any = self.llm.llm_engine
         self.scheduler: Any = self.engine.engine_core.engine_core.scheduler
         self.pool: Any = self.scheduler.kv_cache_manager.block_pool

@@ -47,7 +47,7 @@ class FakeRequest:
 
 
 def scheduler(blocks: dict[str, list[int]]) -> SchedulerSide:
-    side = SchedulerSide(ConnectorConfig(), lambda req_id: blocks[req_id])
+    side = SchedulerSide(ConnectorConfig(), lambda req_id: (blocks[req_id],))
     side.set_endpoints({0: "tcp://127.0.0.1:5999"})
     return side
 

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...config import TransferConfig
 from ...errors import ConfigError, InvalidArgument
 
-__all__ = ["ConnectorConfig", "RemotePrefill", "room_of", "FORGONE", "NIXL_PROGRESS_DELAY_US", "KEY_ENDPOINT", "KEY_ROOM"]
+__all__ = ["CacheGroups", "ConnectorConfig", "RemotePrefill", "room_of", "FORGONE", "NIXL_PROGRESS_DELAY_US", "KEY_ENDPOINT",
+           "KEY_ROOM", "STATE_KIND"]
 
 KEY_ENDPOINT = "aiotransfer_endpoint"
 """``kv_transfer_params`` key: the prefill worker's control address (``tcp://host:port``)."""
@@ -29,6 +30,49 @@ NIXL_PROGRESS_DELAY_US = 200
 """The connector's default ``TransferConfig.nixl_progress_delay_us`` (NIXL's own default is 0: spin)."""
 
 _ENGINES = ("mooncake_tcp", "mooncake", "nixl")
+
+STATE_KIND = "mamba"
+"""The aiotransfer state kind a hybrid model's Mamba block travels as (``KVSender.send_state``)."""
+
+
+@dataclass(frozen=True)
+class CacheGroups:
+    """Which of vLLM's KV cache groups the connector moves, and how.
+
+    ``attention``: the full-attention group, whose blocks travel as KV pages. ``mamba``: the Mamba group of
+    a hybrid model (``None`` otherwise), whose one state block per request travels as state; the last
+    ``mamba_spec_blocks`` of its block list are speculative scratch, not state.
+    """
+
+    attention: int = 0
+    mamba: int | None = None
+    mamba_spec_blocks: int = 0
+
+    @property
+    def backoff(self) -> int:
+        """Prompt tokens the prefill leaves to the decode. A Mamba state holds every token it has seen, and
+        vLLM recomputes the last prompt token on the decode: so the prefill stops one token short, the
+        decode loads the state after N-1 tokens and computes token N itself (vLLM's NixlConnector does
+        the same, its ``_prefill_backoff``)."""
+        return 0 if self.mamba is None else 1
+
+    def pages(self, groups: Sequence[Sequence[int]]) -> list[int]:
+        """The attention blocks of a request's per-group block ids."""
+        return list(groups[self.attention]) if len(groups) > self.attention else []
+
+    def state_block(self, groups: Sequence[Sequence[int]]) -> int | None:
+        """The block holding a request's running Mamba state (``None``: not hybrid, or no block yet)."""
+        if self.mamba is None or len(groups) <= self.mamba:
+            return None
+        blocks = list(groups[self.mamba])
+        if self.mamba_spec_blocks and len(blocks) > 1:
+            blocks = blocks[:-min(self.mamba_spec_blocks, len(blocks) - 1)]
+        return int(blocks[-1]) if blocks else None
+
+    def loaded_tokens(self, remote_tokens: int, num_prompt_tokens: int) -> int:
+        """Prompt tokens a decode loads: what the prefill computed, short of the backoff."""
+        wanted = num_prompt_tokens - self.backoff if num_prompt_tokens > self.backoff else num_prompt_tokens
+        return min(remote_tokens, wanted)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,10 @@ A thin adapter: the scheduler role delegates to :class:`SchedulerSide`, the work
 :class:`WorkerSide`; what crosses from one to the other each step is an :class:`Orders` in the connector
 metadata. Push, not pull: the decode's worker tells the prefill's worker where to write
 (``send_metadata``), and the prefill writes as soon as it has been told, with no engine step in between.
+
+Hybrid models (Mamba2 + full attention, vLLM's hybrid memory allocator): the connector is ``SupportsHMA``;
+the attention group's blocks travel as KV pages, the Mamba group's state block with ``send_state``, and
+the prefill stops one prompt token short (:attr:`CacheGroups.backoff`, as vLLM's NixlConnector does).
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 from vllm.v1.request import RequestStatus
 
 from ...errors import ConfigError
-from ._config import ConnectorConfig
+from ._config import CacheGroups, ConnectorConfig
 from ._scheduler import Orders, SchedulerSide
 from ._worker import WorkerSide
 
@@ -57,7 +64,27 @@ class AiotransferHandshake(KVConnectorHandshakeMetadata):
     endpoint: str
 
 
-class AiotransferConnector(KVConnectorBase_V1):
+def cache_groups(kv_cache_config: Any) -> CacheGroups:
+    """Which of vLLM's KV cache groups hold attention KV and Mamba state; raises :class:`ConfigError` for
+    layouts the connector cannot move (sliding-window or other groups, several attention or Mamba groups)."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if not groups:
+        return CacheGroups()
+    attention = [i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, FullAttentionSpec)]
+    mamba = [i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, MambaSpec)]
+    others = sorted({type(g.kv_cache_spec).__name__ for i, g in enumerate(groups) if i not in attention + mamba})
+    if others or len(attention) != 1 or len(mamba) > 1:
+        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+        raise ConfigError(
+            f"AiotransferConnector moves one full-attention KV cache group plus at most one Mamba group; this "
+            f"model has {kinds}. For sliding-window or chunked-attention models, start vLLM with "
+            "disable_hybrid_kv_cache_manager=True (--disable-hybrid-kv-cache-manager): every layer's KV is then "
+            "kept like full attention, which the connector moves")
+    spec_blocks = int(getattr(groups[mamba[0]].kv_cache_spec, "num_speculative_blocks", 0) or 0) if mamba else 0
+    return CacheGroups(attention=attention[0], mamba=mamba[0] if mamba else None, mamba_spec_blocks=spec_blocks)
+
+
+class AiotransferConnector(KVConnectorBase_V1, SupportsHMA):
     """KV connector moving a request's KV from a prefill to a decode vLLM instance with aiotransfer.
 
     ``KVTransferConfig(kv_connector="AiotransferConnector",
@@ -76,10 +103,12 @@ class AiotransferConnector(KVConnectorBase_V1):
                               f"for now (got TP {parallel.tensor_parallel_size}, "
                               f"PP {parallel.pipeline_parallel_size})")
         self._block_size = int(vllm_config.cache_config.block_size)
+        self._groups = cache_groups(kv_cache_config)
+        self._kv_cache_config = kv_cache_config
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self._config, self._block_ids_of)
+            self._scheduler = SchedulerSide(self._config, self._block_ids_of, self._groups)
         else:
             self._worker = WorkerSide(self._config)
 
@@ -95,7 +124,14 @@ class AiotransferConnector(KVConnectorBase_V1):
 
     # -- worker side -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self.worker_side.register(kv_caches, self._block_size)
+        if self._groups.mamba is None:
+            self.worker_side.register(kv_caches, self._block_size)
+            return
+        groups = self._kv_cache_config.kv_cache_groups
+        attention = groups[self._groups.attention].layer_names
+        mamba = groups[self._groups.mamba].layer_names
+        self.worker_side.register_hybrid({n: kv_caches[n] for n in attention}, {n: kv_caches[n] for n in mamba},
+                                         self._block_size)
 
     def get_handshake_metadata(self) -> AiotransferHandshake | None:
         endpoint = self.worker_side.endpoint
@@ -123,6 +159,12 @@ class AiotransferConnector(KVConnectorBase_V1):
         sent, received = self.worker_side.finished(finished_req_ids)
         return sent or None, received or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # A failed load is also finished: hybrid models' vLLM takes the failure per request (failed_recving).
+        sent, received = self.worker_side.finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=received,
+                                          failed_recving=self.worker_side.take_failed_receives(received))
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_load_errors()
 
@@ -131,9 +173,9 @@ class AiotransferConnector(KVConnectorBase_V1):
             self._worker.shutdown()
 
     # -- scheduler side --------------------------------------------------------------------------
-    def _block_ids_of(self, req_id: str) -> list[int]:
+    def _block_ids_of(self, req_id: str) -> tuple[list[int], ...]:
         assert self._kv_cache_manager is not None, "the scheduler did not bind its KV cache manager"
-        return list(self._kv_cache_manager.get_block_ids(req_id)[0])
+        return tuple(self._kv_cache_manager.get_block_ids(req_id))
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         self.scheduler_side.set_endpoints(
@@ -142,9 +184,27 @@ class AiotransferConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler_side.num_new_matched_tokens(request, num_computed_tokens)
 
+    def on_new_request(self, request: Any) -> None:
+        # A hybrid prefill computes the prompt one token short (CacheGroups.backoff), cut here as vLLM's
+        # NixlConnector cuts it (nixl/base_scheduler.py, _truncate_request_for_prefill): the request's token
+        # lists and counts are vLLM's own, so they are edited in place, once.
+        backoff = 0 if request.get_skip_reading_prefix_cache() else self.scheduler_side.prefill_backoff(request)
+        if not backoff:
+            return
+        if request.prompt_token_ids is not None:
+            del request.prompt_token_ids[-backoff:]
+        elif request.prompt_embeds is not None:
+            request.prompt_embeds = request.prompt_embeds[:-backoff]
+        else:
+            return
+        del request._all_token_ids[-backoff:]
+        request.num_prompt_tokens -= backoff
+        request.max_tokens = 1
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         groups = blocks.get_unhashed_block_ids_all_groups()
-        self.scheduler_side.after_alloc(request, list(groups[0]) if groups else [], num_external_tokens)
+        self.scheduler_side.after_alloc(request, self._groups.pages(groups), num_external_tokens,
+                                        self._groups.state_block(groups))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return AiotransferMetadata(self.scheduler_side.build_orders(scheduler_output.num_scheduled_tokens))
@@ -155,8 +215,14 @@ class AiotransferConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         if block_ids and isinstance(block_ids[0], (list, tuple)):
-            block_ids = block_ids[0]
+            return self.request_finished_all_groups(request, tuple(block_ids))
         return self.scheduler_side.request_finished(request, list(block_ids), request.status in _COMPLETED)
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...],
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        # Every group's blocks stay pinned or go back together: vLLM applies one delay_free_blocks to all.
+        return self.scheduler_side.request_finished(request, self._groups.pages(block_ids),
+                                                    request.status in _COMPLETED)
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler_side.has_pending_work()

@@ -14,12 +14,12 @@ drained, gone or quarantined).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import InvalidArgument
-from ._config import ConnectorConfig, RemotePrefill, room_of
+from ._config import CacheGroups, ConnectorConfig, RemotePrefill, room_of
 
 __all__ = ["Orders", "RecvJob", "SchedulerSide", "SendJob"]
 
@@ -33,6 +33,8 @@ class SendJob:
     req_id: str
     room: int
     block_ids: tuple[int, ...]
+    state_block: int | None = None
+    """A hybrid model's Mamba state block (sent with ``send_state``), or ``None``."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,8 @@ class RecvJob:
     room: int
     endpoint: str
     block_ids: tuple[int, ...]
+    state_block: int | None = None
+    """Where a hybrid model's Mamba state must land, or ``None``."""
 
 
 @dataclass
@@ -61,11 +65,18 @@ class Orders:
 
 
 class SchedulerSide:
-    """Scheduler-side bookkeeping; ``block_ids_of(req_id)`` returns a request's block ids (one group)."""
+    """Scheduler-side bookkeeping; ``block_ids_of(req_id)`` returns a request's block ids per KV cache group.
 
-    def __init__(self, config: ConnectorConfig, block_ids_of: Callable[[str], list[int]]) -> None:
+    ``groups`` says which group holds the attention KV and which (hybrid models) the Mamba state. The
+    block lists it takes and gives elsewhere (``after_alloc``, ``request_finished``) are the attention
+    group's.
+    """
+
+    def __init__(self, config: ConnectorConfig, block_ids_of: Callable[[str], Sequence[Sequence[int]]],
+                 groups: CacheGroups | None = None) -> None:
         self._config = config
         self._block_ids_of = block_ids_of
+        self._groups = groups if groups is not None else CacheGroups()
         self._endpoints: dict[int, str] = {}
         self._prefilling: dict[str, Any] = {}  # prefill requests not yet fully scheduled
         self._sending: dict[str, int] = {}  # req_id -> room: a worker holds a sender, blocks pinned
@@ -92,12 +103,26 @@ class SchedulerSide:
             log.warning("request %s: %s; computing its prompt here instead", request.request_id, exc)
             params["do_remote_prefill"] = False
             return 0, False
-        count = min(remote.num_tokens, request.num_prompt_tokens) - num_computed_tokens
+        count = self._groups.loaded_tokens(remote.num_tokens, request.num_prompt_tokens) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
-    def after_alloc(self, request: Any, new_block_ids: list[int], num_external_tokens: int) -> None:
+    def prefill_backoff(self, request: Any) -> int:
+        """How many trailing prompt tokens a new prefill request must drop (0: none), marking it so that it
+        is cut once only (also after a preemption). The prefill then computes the prompt short of them and
+        the decode computes them itself (:attr:`CacheGroups.backoff`)."""
+        params = request.kv_transfer_params
+        backoff = self._groups.backoff
+        if (not backoff or not params or not params.get("do_remote_decode") or params.get("_p_side_truncated")
+                or request.num_prompt_tokens <= backoff):
+            return 0
+        params["_p_side_truncated"] = True
+        return backoff
+
+    def after_alloc(self, request: Any, new_block_ids: list[int], num_external_tokens: int,
+                    state_block: int | None = None) -> None:
         """Blocks were allocated for ``request``; ``new_block_ids`` are those not filled by a local
-        prefix-cache hit, i.e. where the prefill's KV must land."""
+        prefix-cache hit, i.e. where the prefill's KV must land; ``state_block``, where its Mamba state
+        must (hybrid models)."""
         params = request.kv_transfer_params
         if not params:
             return
@@ -111,7 +136,8 @@ class SchedulerSide:
         if num_external_tokens <= 0 or not new_block_ids:
             self._orders.forgo.append((remote.room, remote.endpoint))  # a full local hit: nothing to fetch
             return
-        self._orders.recv.append(RecvJob(request.request_id, remote.room, remote.endpoint, tuple(new_block_ids)))
+        self._orders.recv.append(RecvJob(request.request_id, remote.room, remote.endpoint, tuple(new_block_ids),
+                                         state_block))
         self._receiving[request.request_id] = remote.room
 
     # -- every step ------------------------------------------------------------------------------
@@ -123,7 +149,9 @@ class SchedulerSide:
             if scheduled and request.num_computed_tokens + scheduled >= request.num_prompt_tokens:
                 del self._prefilling[req_id]
                 room = room_of(req_id)
-                self._orders.send.append(SendJob(req_id, room, tuple(self._block_ids_of(req_id))))
+                groups = self._block_ids_of(req_id)
+                self._orders.send.append(SendJob(req_id, room, tuple(self._groups.pages(groups)),
+                                                 self._groups.state_block(groups)))
                 self._sending[req_id] = room
         orders, self._orders = self._orders, Orders()
         return orders

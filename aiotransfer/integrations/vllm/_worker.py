@@ -23,7 +23,7 @@ from ...manager import KVManager
 from ...receiver import KVReceiver
 from ...sender import KVSender
 from .._sync import BackgroundManager
-from ._config import FORGONE, ConnectorConfig
+from ._config import FORGONE, STATE_KIND, ConnectorConfig
 from ._scheduler import Orders, RecvJob, SendJob
 
 __all__ = ["WorkerSide"]
@@ -49,6 +49,8 @@ class WorkerSide:
         self._failed: set[str] = set()
         self._withheld: set[str] = set()  # rooms never released: their blocks stay out of vLLM's pool
         self._block_bytes = 0
+        self._state_bytes = 0
+        self._by_request = False  # hybrid: failed loads are reported per request, not per block
         self.loads: collections.deque[tuple[str, float, int]] = collections.deque(maxlen=4096)
         """Recent successful loads: (request id, seconds from asking the prefill to the last byte, bytes)."""
         self.stats: dict[str, int] = {"sends": 0, "sends_failed": 0, "sends_forgone": 0, "receives": 0,
@@ -66,13 +68,39 @@ class WorkerSide:
         self._block_bytes = sum(int(t[0].numel()) * int(t.element_size()) if hasattr(t, "element_size")
                                 else int(t[0].nbytes) for t in tensors)
         args = KVArgs(tensors, page_size=block_size, dtype=dtype, tp_rank=0, tp_size=1)
+        return self._start(args, f"{len(tensors)} KV tensors of {dtype}")
+
+    def _start(self, args: KVArgs, what: str) -> str:
         bg = BackgroundManager(args, self._config.transfer_config(self._tp_rank), name="aiotransfer-vllm")
         bg.start()
         self._bg = bg
-        self._endpoint = bg.call(lambda m: m.endpoint)
-        log.info("aiotransfer connector: %d KV tensors of %s registered, %s on %s",
-                 len(tensors), dtype, self._config.engine, self._endpoint)
-        return self._endpoint
+        endpoint: str = bg.call(lambda m: m.endpoint)
+        self._endpoint = endpoint
+        log.info("aiotransfer connector: %s registered, %s on %s", what, self._config.engine, endpoint)
+        return endpoint
+
+    def register_hybrid(self, attention: Mapping[str, Any], mamba: Mapping[str, Any], block_size: int) -> str:
+        """Register a hybrid model's KV cache (vLLM's hybrid allocator) and start the manager.
+
+        vLLM lays every group's layers over one pool of equal pages: each region holds one attention
+        layer and one Mamba layer, and a block id belongs to one group at a time. So each region is
+        registered once, as a KV buffer (the attention blocks travel with ``send_kv``) and as the same
+        ``mamba`` state buffer (the state block travels with ``send_state``), both indexed by block.
+        ``attention`` and ``mamba`` map layer names to vLLM's tensors (a Mamba layer's may be a list)."""
+        kv = _regions(attention, "attention")
+        state = _regions(mamba, "Mamba")
+        if {r[:2] for r in kv} != {r[:2] for r in state}:
+            raise AiotransferError("register_kv_caches: the Mamba state does not share the attention layers' "
+                                   "pages; only vLLM's hybrid layout (one shared page pool) is supported")
+        page = kv[0][2]
+        if any(r[2] != page for r in kv + state):
+            raise AiotransferError("register_kv_caches: attention and Mamba pages differ in size")
+        buffers = [(ptr, nbytes) for ptr, nbytes, _ in kv]
+        args = KVArgs(buffers, kv_item_lens=page, page_size=block_size, dtype=_dtype(attention), tp_rank=0,
+                      tp_size=1, state_buffers={STATE_KIND: buffers}, state_item_lens={STATE_KIND: page})
+        self._block_bytes = self._state_bytes = page * len(buffers)
+        self._by_request = True
+        return self._start(args, f"{len(buffers)} regions of {page}-byte pages (attention KV and Mamba state)")
 
     @property
     def endpoint(self) -> str | None:
@@ -141,6 +169,8 @@ class WorkerSide:
             wanted = tx.num_pages or 0
             if wanted > len(job.block_ids):
                 raise AiotransferError(f"decode asked for {wanted} blocks; the prompt has {len(job.block_ids)}")
+            if job.state_block is not None:
+                await tx.send_state({STATE_KIND: [job.state_block]}, timeout=cfg.transfer_timeout)
             # The decode's blocks cover the prompt's tail (a local prefix-cache hit covers its head).
             await tx.send_kv(job.block_ids[len(job.block_ids) - wanted:], timeout=cfg.transfer_timeout)
             await tx.done(timeout=cfg.transfer_timeout)
@@ -163,9 +193,11 @@ class WorkerSide:
         failure: str | None = None
         start = time.monotonic()
         try:
-            await rx.send_metadata(list(job.block_ids), timeout=cfg.transfer_timeout)
+            states = {STATE_KIND: [job.state_block]} if job.state_block is not None else None
+            await rx.send_metadata(list(job.block_ids), state_indices=states, timeout=cfg.transfer_timeout)
             await rx.done(timeout=max(cfg.transfer_timeout - (time.monotonic() - start), 0.001))
-            self.loads.append((job.req_id, time.monotonic() - start, len(job.block_ids) * self._block_bytes))
+            moved = len(job.block_ids) * self._block_bytes + (self._state_bytes if states else 0)
+            self.loads.append((job.req_id, time.monotonic() - start, moved))
         except BaseException as exc:  # any failure, cancellation included, ends the room on both sides
             failure = "cancelled (the connector is shutting down)" if not isinstance(exc, Exception) \
                 else str(exc) or type(exc).__name__
@@ -203,7 +235,8 @@ class WorkerSide:
             else:
                 if failure is not None:
                     self._failed.add(req_id)
-                    self._load_errors.update(blocks)
+                    if not self._by_request:
+                        self._load_errors.update(blocks)
                 self._received.add(req_id)
 
     # -- reports to vLLM -------------------------------------------------------------------------
@@ -219,11 +252,22 @@ class WorkerSide:
             received, self._received = self._received, set()
         return sent, received
 
+    def take_failed_receives(self, received: Iterable[str]) -> set[str]:
+        """Of ``received`` (just reported finished), the loads that failed, for a hybrid model's vLLM, which
+        takes failures per request (``failed_recving``): its block ids are not unique across groups."""
+        with self._lock:
+            if not self._by_request:
+                return set()
+            failed = self._failed & set(received)
+            self._failed -= failed
+        return failed
+
     def take_load_errors(self) -> set[int]:
         """Block ids of failed loads since the last call (reported with, or before, their request)."""
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
-            self._failed.clear()
+            if not self._by_request:
+                self._failed.clear()
         return errors
 
     def counts(self) -> dict[str, int]:
@@ -236,3 +280,32 @@ class WorkerSide:
     async def _forgo(mgr: KVManager, room: int, endpoint: str) -> None:
         rx = mgr.receiver(room, peer=endpoint)
         await rx.abort(FORGONE)
+
+
+def _dtype(layers: Mapping[str, Any]) -> str:
+    first = next(iter(layers.values()))
+    tensor = first[0] if isinstance(first, (list, tuple)) else first
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _regions(layers: Mapping[str, Any], what: str) -> list[tuple[int, int, int]]:
+    """``(ptr, nbytes, page bytes)`` of each layer's block-indexed region, in layer order, duplicates once.
+
+    A layer's tensors (a Mamba layer may have several: conv and SSM state) index blocks along dim 0 with one
+    stride, the page; the region starts at the lowest of their addresses."""
+    out: dict[int, tuple[int, int, int]] = {}
+    for name, value in layers.items():
+        tensors = list(value) if isinstance(value, (list, tuple)) else [value]
+        pages = {int(t.stride(0)) * int(t.element_size()) for t in tensors}
+        blocks = {int(t.shape[0]) for t in tensors}
+        if len(pages) != 1 or len(blocks) != 1:
+            raise AiotransferError(f"register_kv_caches: {what} layer {name}: its tensors disagree on the block "
+                                   f"stride ({sorted(pages)} bytes) or count ({sorted(blocks)})")
+        page, count = pages.pop(), blocks.pop()
+        ptr = min(int(t.data_ptr()) for t in tensors)
+        region = (ptr, page * count, page)
+        if out.setdefault(ptr, region) != region:
+            raise AiotransferError(f"register_kv_caches: {what} layer {name} overlaps another layer unevenly")
+    if not out:
+        raise AiotransferError(f"register_kv_caches: vLLM gave no {what} layers")
+    return list(out.values())

@@ -1,0 +1,115 @@
+"""Prefill -> decode of a hybrid model (Mamba2 + attention) through AiotransferConnector on unmodified vLLM.
+
+The model is a GraniteMoeHybrid with two Mamba2 and two attention layers and seeded random weights
+(``--model hybrid`` of the harness). vLLM's hybrid allocator lays both kinds of layer over one pool of
+256 KiB pages (attention blocks of 256 tokens; one Mamba block per request). The connector sends the
+attention blocks as KV pages and the Mamba block with ``KVSender.send_state``; the prefill computes the
+prompt one token short and the decode computes the last prompt token over the loaded state.
+
+Checks: the decode's tokens equal a single engine's (a 600-token prompt spans three attention blocks,
+a 257-token one loads exactly one full block), the bytes moved are the attention blocks plus the state
+block, and the negative control (two prompts' KV and state swapped) gives other tokens, so the
+comparison can fail. Marked ``vllm`` and ``slow``; skipped when the vLLM venv cannot be built.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from typing import Any
+
+import pytest
+
+from tests.vllm.test_vllm_pd import ROOT, run_harness
+
+KINDS = ["aiotransfer-mooncake", "aiotransfer-nixl"]
+LENGTHS = [600, 100, 37, 257]
+MAX_TOKENS = 8
+ATTENTION_BLOCK = 256  # tokens: vLLM sizes it so that an attention page holds a Mamba state
+PAGE = 2 * 2 * 64 * 4 * ATTENTION_BLOCK  # K,V x KV heads x head_dim x fp32 x tokens: 256 KiB per layer
+REGIONS = 2  # each region holds one attention and one Mamba layer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    try:
+        proc = subprocess.run(["bash", "scripts/vllm-venv.sh"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=1800)
+    except subprocess.TimeoutExpired as exc:
+        pytest.skip(f"scripts/vllm-venv.sh did not finish in {exc.timeout:.0f} s")
+    if proc.returncode != 0 or not proc.stdout.strip():
+        tail = "\n".join(proc.stderr.splitlines()[-15:])
+        pytest.skip(f"the vLLM venv could not be built (scripts/vllm-venv.sh exit {proc.returncode}):\n{tail}")
+    return proc.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def hybrid_run(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_harness(vllm_python, tmp_path_factory.mktemp("vllm-hybrid"), "pd", "--model", "hybrid",
+                       "--kinds", ",".join(KINDS), "--lengths", ",".join(map(str, LENGTHS)),
+                       "--negative-len", "200", "--max-tokens", str(MAX_TOKENS), "--transfer-timeout", "10",
+                       "--lease", "10")
+
+
+def _run(result: dict[str, Any], kind: str) -> dict[str, Any]:
+    run: dict[str, Any] = result["runs"][kind]
+    assert "error" not in run, f"{run['error']}\nengine logs in {result.get('workdir')}"
+    return run
+
+
+def test_reference_is_a_real_generation(hybrid_run: dict[str, Any]) -> None:
+    ref = hybrid_run["reference"]
+    assert [r["outcome"] for r in ref["results"]] == ["ok"] * (len(LENGTHS) + 2)
+    assert all(len(t) == MAX_TOKENS for t in ref["tokens"])
+    assert len({tuple(t) for t in ref["tokens"]}) == len(ref["tokens"]), "different prompts, same tokens?"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hybrid_pd_tokens_equal_the_single_engine(hybrid_run: dict[str, Any], kind: str) -> None:
+    run = _run(hybrid_run, kind)
+    assert [r["outcome"] for r in run["prefill"]] == ["ok"] * len(LENGTHS)
+    assert [r["outcome"] for r in run["decode"]] == ["ok"] * len(LENGTHS), run["decode"]
+    assert run["tokens"] == hybrid_run["reference"]["tokens"][:len(LENGTHS)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hybrid_pd_moves_the_attention_blocks_and_the_mamba_state(hybrid_run: dict[str, Any], kind: str) -> None:
+    """The prefill computed N-1 tokens: their attention blocks plus one state block per request crossed."""
+    records = _run(hybrid_run, kind)["transfers"]["records"]
+    assert len(records) == len(LENGTHS), records
+    want = [(-(-(n - 1) // ATTENTION_BLOCK) + 1) * PAGE * REGIONS for n in LENGTHS]
+    assert sorted(r["bytes"] for r in records) == sorted(want)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hybrid_negative_control_another_requests_state_and_kv_differ(hybrid_run: dict[str, Any],
+                                                                      kind: str) -> None:
+    neg = _run(hybrid_run, kind)["negative"]
+    assert neg["outcomes"] == ["ok", "ok"]
+    ref = hybrid_run["reference"]["tokens"][len(LENGTHS):]
+    for got, want in zip(neg["tokens"], ref, strict=True):
+        assert got != want, "decode over the other prompt's state and KV gave the reference tokens"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hybrid_pd_leaves_every_block_free(hybrid_run: dict[str, Any], kind: str) -> None:
+    run = _run(hybrid_run, kind)
+    for side in ("prefill", "decode"):
+        settle = run["settle"][side]
+        assert settle["settled"] and settle["requests"] == 0, f"{side}: {settle}"
+    n = len(LENGTHS) + 2
+    prefill, decode = run["stats"]["prefill"], run["stats"]["decode"]
+    assert prefill["worker"]["sends"] == n and prefill["worker"]["sends_failed"] == 0, prefill
+    assert decode["worker"]["receives"] == n and decode["worker"]["receives_failed"] == 0, decode
+    for stats in (prefill, decode):
+        assert stats["worker"]["in_flight"] == 0 and stats["worker"]["withheld"] == 0, stats
+        assert stats["scheduler"] == {"sending": 0, "receiving": 0, "prefilling": 0}, stats
+
+
+def test_hybrid_run_fits_the_budget(hybrid_run: dict[str, Any]) -> None:
+    assert hybrid_run["_wall_s"] < 300, hybrid_run["_wall_s"]
+    for kind in KINDS:
+        peaks = hybrid_run["runs"][kind].get("peak_rss_mib") or {}
+        for side in ("prefill", "decode"):
+            assert peaks.get(side) is None or peaks[side] < 2048, peaks

@@ -99,6 +99,11 @@ class KVArgs:
     ``kv_buffers`` are indexed by page: buffer ``b``'s page ``p`` lives at ``ptr_b + p * item_len_b``.
     The layer-first layout passes one buffer per (K or V, layer); a page-first layout passes one buffer
     whose page holds every layer.
+
+    Buffers must not overlap, except that one region may be given more than once with the same address
+    and size: a state buffer may be a KV buffer (vLLM's hybrid allocator keeps attention pages and Mamba
+    state in one pool of pages, a block id belonging to one or the other). The memory is registered once;
+    keeping the pages a room writes apart is then the caller's part.
     """
 
     kv_buffers: Sequence[BufferLike]

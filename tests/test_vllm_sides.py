@@ -20,18 +20,21 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiotransfer import ConfigError
+from aiotransfer import ConfigError, InvalidArgument, KVArgs
+from aiotransfer.errors import AiotransferError
 from aiotransfer.integrations.vllm._config import (
     KEY_ENDPOINT,
     KEY_ROOM,
+    CacheGroups,
     ConnectorConfig,
     RemotePrefill,
     room_of,
 )
-from aiotransfer.integrations.vllm._scheduler import Orders, SchedulerSide, SendJob
+from aiotransfer.integrations.vllm._scheduler import Orders, RecvJob, SchedulerSide, SendJob
 from aiotransfer.integrations.vllm._worker import WorkerSide
 from tests.conftest import ENGINES
 from tests.peer import digest, make_buffers
+from tests.vllm_worker_peer import TensorView, hybrid_layers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES, ITEM = 128, 4096
@@ -162,11 +165,76 @@ def test_nixl_progress_thread_is_paced_unless_the_user_sets_it() -> None:
     assert ConnectorConfig.from_extra({"lease": 7}).transfer_config().ready_timeout == 7
 
 
+# -- hybrid models (Mamba + attention) -------------------------------------------------------------
+def test_cache_groups_split_attention_pages_from_the_mamba_state_block() -> None:
+    plain = CacheGroups()
+    assert plain.backoff == 0 and plain.pages(([3, 4],)) == [3, 4] and plain.state_block(([3, 4],)) is None
+    assert plain.loaded_tokens(100, 100) == 100
+    hybrid = CacheGroups(attention=1, mamba=0)
+    assert hybrid.backoff == 1
+    assert hybrid.pages(([9], [3, 4, 5])) == [3, 4, 5] and hybrid.state_block(([9], [3, 4, 5])) == 9
+    assert hybrid.state_block(([], [3])) is None
+    assert hybrid.loaded_tokens(99, 100) == 99 and hybrid.loaded_tokens(100, 100) == 99
+    assert hybrid.loaded_tokens(1, 1) == 1  # nothing to back off from
+    # speculative scratch slots trail the running state
+    assert CacheGroups(attention=1, mamba=0, mamba_spec_blocks=2).state_block(([0, 7, 8, 9], [1])) == 7
+
+
+def test_hybrid_prefill_is_cut_one_token_short_once_and_its_sender_carries_the_state_block() -> None:
+    groups = {"p1": ([42], [7, 8, 9])}
+    side = SchedulerSide(ConnectorConfig(), lambda req_id: groups[req_id], CacheGroups(attention=1, mamba=0))
+    side.set_endpoints({0: "tcp://127.0.0.1:5999"})
+    req = FakeRequest("p1", 600, {"do_remote_decode": True})
+    assert side.prefill_backoff(req) == 1
+    assert side.prefill_backoff(req) == 0, "cut once, also after a preemption"
+    assert side.prefill_backoff(FakeRequest("p2", 1, {"do_remote_decode": True})) == 0
+    assert side.prefill_backoff(FakeRequest("d1", 600, {"do_remote_prefill": True})) == 0
+    req.num_prompt_tokens = 599  # what the connector's on_new_request does to vLLM's request
+    side.after_alloc(req, [7, 8, 9], 0, 42)
+    assert side.build_orders({"p1": 599}).send == [SendJob("p1", room_of("p1"), (7, 8, 9), 42)]
+    _, params = side.request_finished(req, [7, 8, 9], completed=True)
+    assert params is not None and params["remote_num_tokens"] == 599
+
+
+def test_hybrid_decode_loads_all_but_the_last_prompt_token_and_asks_for_the_state() -> None:
+    side = SchedulerSide(ConnectorConfig(), lambda req_id: ([], []), CacheGroups(attention=1, mamba=0))
+    remote = RemotePrefill("tcp://127.0.0.1:6000", 77, 599, (1, 2, 3))
+    req = FakeRequest("d1", 600, remote.to_params())
+    assert side.num_new_matched_tokens(req, 0) == (599, True)
+    side.after_alloc(req, [11, 12, 13], 599, 40)
+    assert side.build_orders({}).recv == [RecvJob("d1", 77, remote.endpoint, (11, 12, 13), 40)]
+    # A prefill that computed the whole prompt (no backoff on its side) still loads one token short here.
+    full = FakeRequest("d2", 600, RemotePrefill("tcp://127.0.0.1:6000", 78, 600, (1, 2, 3)).to_params())
+    assert side.num_new_matched_tokens(full, 0) == (599, True)
+
+
+def test_kv_args_take_a_state_buffer_that_is_a_kv_buffer_but_not_a_partial_overlap() -> None:
+    arena = np.zeros((2, 8, 64), dtype=np.uint8)
+    regions = [(int(arena[i].ctypes.data), arena[i].nbytes) for i in range(2)]
+    args = KVArgs(regions, kv_item_lens=64, state_buffers={"mamba": regions}, state_item_lens={"mamba": 64})
+    assert args.num_pages == 8 and [b.num_items for b in args.state["mamba"]] == [8, 8]
+    with pytest.raises(InvalidArgument, match="overlap"):
+        KVArgs(regions, kv_item_lens=64, state_buffers={"mamba": [(regions[0][0] + 64, 256)]},
+               state_item_lens={"mamba": 64})
+
+
+def test_hybrid_registration_refuses_a_mamba_state_outside_the_attention_pages() -> None:
+    kv = make_buffers(2, 8, 256, seed=1)
+    other = make_buffers(1, 8, 256, seed=2)
+    attention, _ = hybrid_layers(kv)
+    worker = WorkerSide(ConnectorConfig())
+    with pytest.raises(AiotransferError, match="does not share the attention layers' pages"):
+        worker.register_hybrid(attention, {"mamba.0": [TensorView(other[0])]}, block_size=16)
+    with pytest.raises(AiotransferError, match="disagree on the block stride"):
+        worker.register_hybrid(attention, {"mamba.0": [TensorView(kv[0]), TensorView(kv[0][::2])]}, block_size=16)
+
+
 # -- worker side over a real engine, two processes -------------------------------------------------
 class DecodeWorker:
-    def __init__(self, engine: str) -> None:
+    def __init__(self, engine: str, *mode: str) -> None:
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), MC_LOG_LEVEL="ERROR")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_worker_peer", engine, str(PAGES), str(ITEM)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_worker_peer", engine, str(PAGES), str(ITEM),
+                                      *mode],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
         self.endpoint = self.ask(None)["endpoint"]
 
@@ -275,3 +343,28 @@ def test_a_killed_prefill_fails_the_load_and_reports_its_blocks_once_proven_gone
     finally:
         victim.close()
         decode.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_hybrid_worker_moves_attention_pages_and_the_mamba_state_block_byte_exact(engine: str) -> None:
+    kv = make_buffers(2, PAGES, ITEM, seed=8)
+    prefill = WorkerSide(ConnectorConfig.from_extra({"engine": engine, "transfer_timeout": 10.0}))
+    prefill.register_hybrid(*hybrid_layers(kv), block_size=16)
+    decode = DecodeWorker(engine, "hybrid")
+    try:
+        prefill.start_sends(Orders(send=[SendJob("h1", 4001, (30, 31, 32), 99)]))
+        out = decode.ask({"op": "recv", "req": "h1", "room": 4001, "peer": prefill.endpoint, "blocks": [5, 6, 7],
+                          "state": 12})
+        assert out["finished"] and out["load_errors"] == [] and out["failed"] == []
+        assert out["digest"] == digest(kv, [30, 31, 32])
+        assert out["state_digest"] == digest(kv, [99])  # the whole page: conv and SSM state, padding included
+        assert out["loaded_bytes"] == [(3 + 1) * 2 * ITEM]
+        wait_sent(prefill, "h1", 10)
+        # A decode that declares no state while the prefill sends one: the room fails, per request.
+        prefill.start_sends(Orders(send=[SendJob("h2", 4002, (30,), 99)]))
+        out = decode.ask({"op": "recv", "req": "h2", "room": 4002, "peer": prefill.endpoint, "blocks": [5],
+                          "bound": 30})
+        assert out["finished"] and out["failed"] == ["h2"] and out["load_errors"] == [], out
+    finally:
+        decode.close()
+        prefill.shutdown()

@@ -8,15 +8,43 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
+
 from aiotransfer.integrations.vllm._config import ConnectorConfig
 from aiotransfer.integrations.vllm._scheduler import Orders, RecvJob
 from aiotransfer.integrations.vllm._worker import WorkerSide
 from tests.peer import digest, make_buffers
 
 
+class TensorView:
+    """The part of torch's tensor API the worker reads (vLLM hands it tensors); a view over a NumPy array."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+        self.shape = array.shape
+        self.dtype = array.dtype
+
+    def stride(self, dim: int) -> int:
+        return int(self.array.strides[dim]) // self.array.itemsize
+
+    def element_size(self) -> int:
+        return int(self.array.itemsize)
+
+    def data_ptr(self) -> int:
+        return int(self.array.ctypes.data)
+
+
+def hybrid_layers(kv: list[np.ndarray]) -> tuple[dict[str, TensorView], dict[str, list[TensorView]]]:
+    """vLLM's hybrid layout over ``kv`` (one region per buffer, pages along dim 0): region i holds attention
+    layer i (whole pages) and Mamba layer i (two strided views inside each page: conv and SSM state)."""
+    attention = {f"attn.{i}": TensorView(buf) for i, buf in enumerate(kv)}
+    mamba = {f"mamba.{i}": [TensorView(buf[:, :96]), TensorView(buf[:, 128:-64])] for i, buf in enumerate(kv)}
+    return attention, mamba
+
+
 def receive(worker: WorkerSide, kv: list[Any], cmd: dict[str, Any]) -> dict[str, Any]:
     """Start one load, then poll as vLLM's model runner does each step until the request is reported."""
-    job = RecvJob(cmd["req"], cmd["room"], cmd["peer"], tuple(cmd["blocks"]))
+    job = RecvJob(cmd["req"], cmd["room"], cmd["peer"], tuple(cmd["blocks"]), cmd.get("state"))
     start = time.monotonic()
     worker.start_receives(Orders(recv=[job]))
     errors: set[int] = set()
@@ -24,8 +52,11 @@ def receive(worker: WorkerSide, kv: list[Any], cmd: dict[str, Any]) -> dict[str,
         _, received = worker.finished(set())
         errors |= worker.take_load_errors()
         if job.req_id in received:
+            state = [job.state_block] if job.state_block is not None else []
             return {"finished": True, "seconds": time.monotonic() - start, "load_errors": sorted(errors),
-                    "digest": digest(kv, list(job.block_ids)), "counts": worker.counts(),
+                    "failed": sorted(worker.take_failed_receives(received)),
+                    "digest": digest(kv, list(job.block_ids)), "state_digest": digest(kv, state),
+                    "counts": worker.counts(),
                     "loaded_bytes": [b for r, _, b in worker.loads if r == job.req_id]}
         time.sleep(0.005)
     return {"finished": False, "seconds": time.monotonic() - start, "counts": worker.counts()}
@@ -35,7 +66,10 @@ def main() -> None:
     engine, pages, item_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     kv = make_buffers(2, pages, item_len, None)
     worker = WorkerSide(ConnectorConfig.from_extra({"engine": engine, "transfer_timeout": 10.0}))
-    endpoint = worker.register({f"layer.{i}": buf for i, buf in enumerate(kv)}, block_size=16)
+    if sys.argv[4:] == ["hybrid"]:
+        endpoint = worker.register_hybrid(*hybrid_layers(kv), block_size=16)
+    else:
+        endpoint = worker.register({f"layer.{i}": buf for i, buf in enumerate(kv)}, block_size=16)
     print(json.dumps({"endpoint": endpoint}), flush=True)
     try:
         for line in sys.stdin:

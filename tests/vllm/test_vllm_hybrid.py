@@ -9,7 +9,8 @@ prompt one token short and the decode computes the last prompt token over the lo
 Checks: the decode's tokens equal a single engine's (a 600-token prompt spans three attention blocks,
 a 257-token one loads exactly one full block), the bytes moved are the attention blocks plus the state
 block, and the negative control (two prompts' KV and state swapped) gives other tokens, so the
-comparison can fail. Marked ``vllm`` and ``slow``; skipped when the vLLM venv cannot be built.
+comparison can fail. A killed prefill fails the loads per request, under either failure policy.
+Marked ``vllm`` and ``slow``; skipped when the vLLM venv cannot be built.
 """
 
 from __future__ import annotations
@@ -113,3 +114,25 @@ def test_hybrid_run_fits_the_budget(hybrid_run: dict[str, Any]) -> None:
         peaks = hybrid_run["runs"][kind].get("peak_rss_mib") or {}
         for side in ("prefill", "decode"):
             assert peaks.get(side) is None or peaks[side] < 2048, peaks
+
+
+@pytest.fixture(scope="module", params=["fail", "recompute"])
+def hybrid_killed_prefill(request: pytest.FixtureRequest, vllm_python: str,
+                          tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_harness(vllm_python, tmp_path_factory.mktemp(f"vllm-hybrid-kill-{request.param}"), "kill-prefill",
+                       "--model", "hybrid", "--kind", "aiotransfer-mooncake", "--policy", request.param,
+                       "--lengths", "600,100,37", "--transfer-timeout", "10", "--lease", "10")
+
+
+def test_hybrid_killed_prefill_fails_or_recomputes_per_request(hybrid_killed_prefill: dict[str, Any]) -> None:
+    """vLLM takes a hybrid model's failed loads per request (failed_recving), and its policy applies."""
+    res = hybrid_killed_prefill
+    assert res["prefill_dead"] and res["decode_s"] < 15, res["decode_s"]
+    if res["policy"] == "fail":
+        assert res["outcomes"] == ["error"] * 3, res["decode"]
+    else:
+        assert res["outcomes"] == ["ok"] * 3, res["decode"]
+        assert res["tokens"] == res["local_tokens"]
+    worker = res["decode_stats"]["worker"]
+    assert worker["receives_failed"] == 3 and worker["in_flight"] == 0 and worker["withheld"] == 0, worker
+    assert res["settle"]["settled"] and res["blocks_after"]["free"] == res["blocks_before"]["free_idle"]

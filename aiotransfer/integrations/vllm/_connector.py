@@ -68,8 +68,11 @@ def cache_groups(kv_cache_config: Any) -> CacheGroups:
     """Which of vLLM's KV cache groups hold attention KV and Mamba state; raises :class:`ConfigError` for
     layouts the connector cannot move (sliding-window or other groups, several attention or Mamba groups)."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    if not groups:
-        return CacheGroups()
+    if len(groups) == 1 and isinstance(groups[0].kv_cache_spec, MambaSpec):
+        raise ConfigError("AiotransferConnector moves Mamba state only next to attention KV (hybrid models); "
+                          "this model has Mamba layers only")
+    if len(groups) <= 1:
+        return CacheGroups()  # one group, as without the hybrid allocator: its blocks move as they are
     attention = [i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, FullAttentionSpec)]
     mamba = [i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, MambaSpec)]
     others = sorted({type(g.kv_cache_spec).__name__ for i, g in enumerate(groups) if i not in attention + mamba})

@@ -1,4 +1,4 @@
-"""A Llama checkpoint with seeded random weights, written at test time (no download, no tokenizer).
+"""Models with seeded random weights, written at test time (no download, no tokenizer): a Llama and a hybrid.
 
 The weights are ``randn * 0.05`` from a fixed ``torch.Generator`` (norms = 1), so every process that loads
 the directory computes the same function and the next token depends on the whole context: decoding over
@@ -14,7 +14,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["BENCH", "TINY", "ModelSpec", "make_tiny_llama"]
+__all__ = ["BENCH", "TINY", "TINY_HYBRID", "HybridSpec", "ModelSpec", "make_tiny_hybrid", "make_tiny_llama"]
 
 
 @dataclass(frozen=True)
@@ -168,8 +168,8 @@ def make_tiny_hybrid(path: str, seed: int = 0, spec: HybridSpec = TINY_HYBRID, s
     """Write a GraniteMoeHybrid checkpoint (Mamba2 and attention layers) with seeded random weights.
 
     The shapes and names come from transformers' own model class, built under ``torch.manual_seed(seed)``;
-    every matrix is then redrawn as ``randn * scale`` from a seeded generator (norms = 1, Mamba's ``A_log``,
-    ``D`` and ``dt_bias`` kept at their usual values), so the next token depends on the context.
+    every matrix is then redrawn as ``randn * scale`` from a seeded generator (norms = 1; Mamba's ``A_log`` and
+    ``dt_bias`` = 0, ``D`` = 1), so the next token depends on the context.
     """
     torch: Any = importlib.import_module("torch")
     transformers: Any = importlib.import_module("transformers")

@@ -15,12 +15,11 @@ Marked ``vllm`` and ``slow``; skipped when the vLLM venv cannot be built.
 
 from __future__ import annotations
 
-import subprocess
 from typing import Any
 
 import pytest
 
-from tests.vllm.test_vllm_pd import ROOT, run_harness
+from tests.vllm.test_vllm_pd import run_harness
 
 KINDS = ["aiotransfer-mooncake", "aiotransfer-nixl"]
 LENGTHS = [600, 100, 37, 257]
@@ -30,19 +29,6 @@ PAGE = 2 * 2 * 64 * 4 * ATTENTION_BLOCK  # K,V x KV heads x head_dim x fp32 x to
 REGIONS = 2  # each region holds one attention and one Mamba layer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> str:
-    try:
-        proc = subprocess.run(["bash", "scripts/vllm-venv.sh"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=1800)
-    except subprocess.TimeoutExpired as exc:
-        pytest.skip(f"scripts/vllm-venv.sh did not finish in {exc.timeout:.0f} s")
-    if proc.returncode != 0 or not proc.stdout.strip():
-        tail = "\n".join(proc.stderr.splitlines()[-15:])
-        pytest.skip(f"the vLLM venv could not be built (scripts/vllm-venv.sh exit {proc.returncode}):\n{tail}")
-    return proc.stdout.strip().splitlines()[-1]
 
 
 @pytest.fixture(scope="module")

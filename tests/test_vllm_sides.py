@@ -174,8 +174,9 @@ def test_cache_groups_split_attention_pages_from_the_mamba_state_block() -> None
     assert hybrid.backoff == 1
     assert hybrid.pages(([9], [3, 4, 5])) == [3, 4, 5] and hybrid.state_block(([9], [3, 4, 5])) == 9
     assert hybrid.state_block(([], [3])) is None
-    assert hybrid.loaded_tokens(99, 100) == 99 and hybrid.loaded_tokens(100, 100) == 99
-    assert hybrid.loaded_tokens(1, 1) == 1  # nothing to back off from
+    assert hybrid.loaded_tokens(99, 100) == 99 and hybrid.loaded_tokens(50, 100) == 50
+    # a prefill whose state holds the whole prompt is not loaded: the decode would apply the last token twice
+    assert hybrid.loaded_tokens(100, 100) == 0 and hybrid.loaded_tokens(1, 1) == 0
     # speculative scratch slots trail the running state
     assert CacheGroups(attention=1, mamba=0, mamba_spec_blocks=2).state_block(([0, 7, 8, 9], [1])) == 7
 
@@ -203,9 +204,13 @@ def test_hybrid_decode_loads_all_but_the_last_prompt_token_and_asks_for_the_stat
     assert side.num_new_matched_tokens(req, 0) == (599, True)
     side.after_alloc(req, [11, 12, 13], 599, 40)
     assert side.build_orders({}).recv == [RecvJob("d1", 77, remote.endpoint, (11, 12, 13), 40)]
-    # A prefill that computed the whole prompt (no backoff on its side) still loads one token short here.
+    # A prefill that computed the whole prompt (no backoff on its side): the decode computes the prompt
+    # itself and tells the prefill to free its blocks.
     full = FakeRequest("d2", 600, RemotePrefill("tcp://127.0.0.1:6000", 78, 600, (1, 2, 3)).to_params())
-    assert side.num_new_matched_tokens(full, 0) == (599, True)
+    assert side.num_new_matched_tokens(full, 0) == (0, False)
+    side.after_alloc(full, [14, 15, 16], 0, 41)
+    orders = side.build_orders({})
+    assert orders.recv == [] and orders.forgo == [(78, "tcp://127.0.0.1:6000")]
 
 
 def test_kv_args_take_a_state_buffer_that_is_a_kv_buffer_but_not_a_partial_overlap() -> None:

@@ -70,9 +70,16 @@ class CacheGroups:
         return int(blocks[-1]) if blocks else None
 
     def loaded_tokens(self, remote_tokens: int, num_prompt_tokens: int) -> int:
-        """Prompt tokens a decode loads: what the prefill computed, short of the backoff."""
-        wanted = num_prompt_tokens - self.backoff if num_prompt_tokens > self.backoff else num_prompt_tokens
-        return min(remote_tokens, wanted)
+        """Prompt tokens a decode loads (0: it computes the prompt itself).
+
+        Attention KV: what the prefill computed, up to the prompt. A Mamba state holds every token the
+        prefill saw, and vLLM recomputes the last prompt token on the decode: a hybrid decode can use the
+        state only if the prefill stopped short of the last token, and then loads exactly what the prefill
+        computed. A prefill that computed the whole prompt (a one-token prompt, or a request vLLM would not
+        let it cut) would have the decode apply a token twice, so its KV is not loaded."""
+        if self.mamba is None:
+            return min(remote_tokens, num_prompt_tokens)
+        return remote_tokens if remote_tokens < num_prompt_tokens else 0
 
 
 @dataclass(frozen=True)

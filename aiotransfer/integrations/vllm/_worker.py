@@ -31,6 +31,13 @@ __all__ = ["WorkerSide"]
 log = logging.getLogger("aiotransfer.integrations.vllm")
 
 
+def _reason(exc: BaseException) -> str:
+    """The reason a room ends with, for both sides and vLLM's log."""
+    if not isinstance(exc, Exception):
+        return "cancelled (the connector is shutting down)"
+    return str(exc) or type(exc).__name__
+
+
 class WorkerSide:
     """One vLLM worker's rooms. Thread-safe: vLLM's thread calls in, the loop thread reports back."""
 
@@ -175,8 +182,7 @@ class WorkerSide:
             await tx.send_kv(job.block_ids[len(job.block_ids) - wanted:], timeout=cfg.transfer_timeout)
             await tx.done(timeout=cfg.transfer_timeout)
         except BaseException as exc:  # any failure, cancellation included, ends the room on both sides
-            failure = "cancelled (the connector is shutting down)" if not isinstance(exc, Exception) \
-                else str(exc) or type(exc).__name__
+            failure = _reason(exc)
             await tx.abort(failure)
             if not isinstance(exc, Exception):
                 raise
@@ -199,8 +205,7 @@ class WorkerSide:
             moved = len(job.block_ids) * self._block_bytes + (self._state_bytes if states else 0)
             self.loads.append((job.req_id, time.monotonic() - start, moved))
         except BaseException as exc:  # any failure, cancellation included, ends the room on both sides
-            failure = "cancelled (the connector is shutting down)" if not isinstance(exc, Exception) \
-                else str(exc) or type(exc).__name__
+            failure = _reason(exc)
             await rx.abort(failure)
             if not isinstance(exc, Exception):
                 raise

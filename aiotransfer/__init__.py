@@ -30,6 +30,7 @@ from .metrics import PrometheusExporter as PrometheusExporter
 from .receiver import KVReceiver as KVReceiver
 from .sender import KVSender as KVSender
 from .status import KVPoll as KVPoll
+from .stream import KVStream as KVStream
 
 __version__ = "0.1.0"
 
@@ -40,6 +41,7 @@ __all__ = [
     "KVPoll",
     "KVReceiver",
     "KVSender",
+    "KVStream",
     "Buffer",
     # aux and state
     "StateType",

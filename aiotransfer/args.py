@@ -193,6 +193,18 @@ class KVArgs:
             return max(self.num_layers, 1)
         return 1
 
+    def buffer_layers(self) -> list[int] | None:
+        """The layer each KV buffer holds: ``kv_layer_ids`` when given, else buffer ``b`` holds layer
+        ``b % num_layers`` (one buffer per layer, or K buffers then V buffers) for the layer-first layouts;
+        ``None`` when neither says (layer streaming then refuses the room)."""
+        ids = [b.layer_id for b in self.kv]
+        if all(i >= 0 for i in ids):
+            return ids
+        layers = self.num_layers
+        if layers > 0 and self.layout in ("layer_first", "mla") and len(self.kv) % layers == 0:
+            return [b % layers for b in range(len(self.kv))]
+        return None
+
     @property
     def is_mla(self) -> bool:
         return self.layout == "mla"

@@ -22,6 +22,7 @@ from .control.messages import TransferRequest
 from .errors import InvalidArgument, PeerError, TransferFailed, TransferTimeout
 from .plan import as_index_array, check_range
 from .status import KVPoll
+from .stream import KVStream
 
 __all__ = ["KVSender"]
 
@@ -258,6 +259,27 @@ class KVSender(RoomSide):
         :class:`InvalidArgument` before any byte moves on bad input.
         """
         ctx = self._ctx
+        reserved = self._reserve(indices, last)
+        if reserved is None:
+            return
+        src, start = reserved
+        deadline = Deadline(ctx.config.transfer_timeout if timeout is None else timeout)
+        self.update(KVPoll.Transferring)
+        self._chunks_in_flight += 1
+        t0 = time.monotonic()
+        try:
+            await self._run_or_fail(self._run_chunk(src, start, deadline, conclude=last))
+            ctx.metrics.observe("send_kv", time.monotonic() - t0)
+            if last:
+                await self._run_or_fail(self._finish(deadline))
+        finally:
+            self._chunks_in_flight -= 1
+            self._chunk_finished.set()
+
+    def _reserve(self, indices: Any, last: bool) -> tuple[np.ndarray, int] | None:
+        """Check a chunk and reserve its slice of the decode's pages: ``(pages, start)``, or ``None`` on a
+        dummy rank (nothing moves; the last chunk concludes Success at once)."""
+        ctx = self._ctx
         ctx.check_open()
         self._raise_if_failed()
         if self._status is KVPoll.Bootstrapping:
@@ -274,7 +296,7 @@ class KVSender(RoomSide):
                 self._last_reserved = True
                 self._kv_done = True
                 self.update(KVPoll.Success)
-            return
+            return None
         remaining = self._num_dst_pages - self._cursor
         if src.size > remaining:
             raise InvalidArgument(
@@ -288,18 +310,69 @@ class KVSender(RoomSide):
         start, self._cursor = self._cursor, self._cursor + int(src.size)
         if last:
             self._last_reserved = True
-        deadline = Deadline(ctx.config.transfer_timeout if timeout is None else timeout)
+        return src, start
+
+    def stream(self, indices: Any, *, last: bool = True) -> KVStream:
+        """Open the pages ``indices`` as the next chunk, to be sent layer by layer with
+        :meth:`KVStream.send_layers` as the forward pass writes each layer. Chunks and layers compose:
+        chunk after chunk, each streamed or sent whole with :meth:`send_kv`. Layers are the KV buffers'
+        ``kv_layer_ids`` (or derived from ``num_layers``, see :meth:`KVArgs.buffer_layers`). Raises
+        :class:`InvalidArgument` before any byte moves on bad input."""
+        layers = self._ctx.args.buffer_layers()
+        if layers is None:
+            raise InvalidArgument(f"room {self.room}: layer streaming needs kv_layer_ids or num_layers in KVArgs")
+        reserved = self._reserve(indices, last)
+        if reserved is None:
+            return KVStream(self.room, 0, layers, last, self._no_layers)
+        src, start = reserved
         self.update(KVPoll.Transferring)
         self._chunks_in_flight += 1
+        return KVStream(self.room, int(src.size), layers, last,
+                        functools.partial(self._send_layers, src, start, last))
+
+    async def _no_layers(self, layers: frozenset[int], complete: bool, timeout: float | None) -> None:
+        return None  # a dummy rank's chunk: nothing moves
+
+    async def _send_layers(self, src: np.ndarray, start: int, last: bool, layers: frozenset[int], complete: bool,
+                           timeout: float | None) -> None:
+        ctx = self._ctx
+        ctx.check_open()
+        self._raise_if_failed()
+        deadline = Deadline(ctx.config.transfer_timeout if timeout is None else timeout)
         t0 = time.monotonic()
         try:
-            await self._run_or_fail(self._run_chunk(src, start, deadline, conclude=last))
-            ctx.metrics.observe("send_kv", time.monotonic() - t0)
-            if last:
+            await self._run_or_fail(self._run_layers(src, start, layers, complete, deadline))
+            ctx.metrics.observe("send_layers", time.monotonic() - t0)
+            if complete and last:
                 await self._run_or_fail(self._finish(deadline))
         finally:
-            self._chunks_in_flight -= 1
-            self._chunk_finished.set()
+            if complete:
+                self._chunks_in_flight -= 1
+                self._chunk_finished.set()
+
+    async def _run_layers(self, src: np.ndarray, start: int, layers: frozenset[int], complete: bool,
+                          deadline: Deadline) -> None:
+        real = self._real_dsts()
+        if not real or src.size == 0:
+            return
+        coros = [
+            self._pusher.write_kv_layers(self.room, d.peer, src, d.kv_indices[start : start + src.size], layers,
+                                         complete, deadline, dst_start=start, hold=self._ledger.take)
+            for d in real
+        ]
+        await self._gather(coros)
+        if complete:
+            self.bytes_sent += sum(b.item_len for b in self._ctx.args.kv) * int(src.size) * len(real)
+
+    @staticmethod
+    async def _gather(coros: list[Any]) -> None:
+        if len(coros) == 1:
+            await coros[0]
+            return
+        results = await asyncio.gather(*coros, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
 
     async def _run_chunk(self, src: np.ndarray, start: int, deadline: Deadline, conclude: bool = False) -> None:
         real = self._real_dsts()
@@ -313,13 +386,7 @@ class KVSender(RoomSide):
                                   dst_start=start, on_done=on_done, hold=self._ledger.take)
             for d in real
         ]
-        if len(coros) == 1:
-            await coros[0]
-        else:
-            results = await asyncio.gather(*coros, return_exceptions=True)
-            for r in results:
-                if isinstance(r, BaseException):
-                    raise r
+        await self._gather(coros)
         self.bytes_sent += sum(b.item_len for b in self._ctx.args.kv) * int(src.size) * len(real)
 
     async def _finish(self, deadline: Deadline) -> None:

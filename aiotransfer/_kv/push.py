@@ -89,6 +89,7 @@ class Pusher:
         self.staging = StagingWriter(ctx)
         self._checksums: dict[tuple[int, str], RoomChecksum] = {}
         self._aux_fallback_logged = False
+        self._owners = ctx.args.buffer_layers()
 
     # -- planning ---------------------------------------------------------------------------------
     def plan(self, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, *, staging: bool | None = None,
@@ -116,8 +117,12 @@ class Pusher:
             raise InvalidArgument(f"src_pages has {src.size} pages, dst_pages {dst.size}")
         return self.plan(peer, src, dst, staging=staging)
 
-    def _blocks(self, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, runs: list[list[int]] | None = None) -> Blocks:
+    def _blocks(self, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, runs: list[list[int]] | None = None,
+                positions: np.ndarray | None = None) -> Blocks:
+        """Direct entries; ``positions``: only these paired buffers (indices into the pairing)."""
         ctx, pairing = self._ctx, peer.pairing
+        if positions is not None:
+            return self._blocks_of(peer, src, dst, positions)
         if runs is not None and len(runs) * int(pairing.src.size) <= _FEW_ENTRIES:
             few = peer.few
             if few is None:
@@ -125,13 +130,20 @@ class Pusher:
                     ctx.kv_bases[pairing.src].tolist(), peer.dst_bases.tolist(), ctx.kv_item_lens[pairing.src].tolist(),
                 )
             return plan_runs(few[0], few[1], few[2], runs)
-        src_bases = ctx.kv_bases[pairing.src]
-        src_lens = ctx.kv_item_lens[pairing.src]
+        return self._blocks_of(peer, src, dst, None)
+
+    def _blocks_of(self, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, positions: np.ndarray | None) -> Blocks:
+        ctx, pairing = self._ctx, peer.pairing
+        local = pairing.src if positions is None else pairing.src[positions]
+        dst_bases = peer.dst_bases if positions is None else peer.dst_bases[positions]
+        dst_lens = peer.dst_item_lens if positions is None else peer.dst_item_lens[positions]
+        src_bases = ctx.kv_bases[local]
+        src_lens = ctx.kv_item_lens[local]
         if pairing.heads is None:
-            return plan_blocks(src_bases, peer.dst_bases, src_lens, src, dst)
+            return plan_blocks(src_bases, dst_bases, src_lens, src, dst)
         hs = pairing.heads
         return plan_head_slices(
-            src_bases, peer.dst_bases, src_lens, peer.dst_item_lens, src, dst,
+            src_bases, dst_bases, src_lens, dst_lens, src, dst,
             rows_per_page=pairing.rows_per_page, src_heads=hs.src_heads, dst_heads=hs.dst_heads,
             head_bytes=pairing.head_bytes, src_head_start=hs.src_start, dst_head_start=hs.dst_start,
             head_count=hs.count,
@@ -207,6 +219,38 @@ class Pusher:
             ctx.counters["kv_bytes_sent"] += blocks.nbytes
             ctx.counters["kv_entries_sent"] += len(blocks)
         if ctx.config.checksum:
+            await self._checksum_add(peer, room, src, deadline, hold)
+
+    def layer_positions(self, peer: DecodePeer, layers: frozenset[int]) -> np.ndarray | None:
+        """The paired buffers (indices into ``peer.pairing``) holding ``layers``, when a chunk to ``peer``
+        can move layer by layer as direct entries; ``None`` when it moves whole (page-first layouts hold
+        every layer in one page; head-sliced pairings; unknown layers)."""
+        ctx = self._ctx
+        owners = self._owners
+        if owners is None or ctx.args.layout not in ("layer_first", "mla") or peer.pairing.heads is not None:
+            return None
+        return np.array([i for i, b in enumerate(peer.pairing.src) if owners[int(b)] in layers], dtype=np.int64)
+
+    async def write_kv_layers(
+        self, room: int, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, layers: frozenset[int],
+        complete: bool, deadline: Deadline, *, dst_start: int, hold: Hold | None = None,
+    ) -> None:
+        """Write ``layers`` of one chunk to one decode rank; ``complete``: this call sends the chunk's last
+        layers. A chunk that is staged, or whose pages hold every layer, moves whole on that call."""
+        ctx = self._ctx
+        positions = self.layer_positions(peer, layers)
+        runs = pair_runs(src.tolist(), dst.tolist()) if peer.pairing.heads is None and src.size <= _FEW_PAGES else None
+        if positions is None or self._staging_slices(peer, src, dst, runs) is not None:
+            if complete:
+                await self.write_kv(room, peer, src, dst, deadline, dst_start=dst_start, hold=hold)
+            return
+        if positions.size:
+            with engine_failures(room, peer.endpoint, "engine transfer"):
+                blocks = self._blocks(peer, src, dst, positions=positions)
+                await ctx.poller.write(peer.session_id, blocks, timeout=deadline.remaining(), hold=hold)
+            ctx.counters["kv_bytes_sent"] += blocks.nbytes
+            ctx.counters["kv_entries_sent"] += len(blocks)
+        if complete and ctx.config.checksum:
             await self._checksum_add(peer, room, src, deadline, hold)
 
     async def write_state(

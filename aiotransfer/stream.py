@@ -1,0 +1,70 @@
+"""``KVStream``: one chunk of a room sent layer by layer, as a model's forward pass computes the layers."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+
+from .errors import InvalidArgument
+
+__all__ = ["KVStream"]
+
+
+class KVStream:
+    """One chunk of a room (its pages and its slice of the decode's pages are fixed when it is opened by
+    :meth:`KVSender.stream`), sent layer by layer: call :meth:`send_layers` once a layer's KV is written.
+
+    Every layer is sent exactly once, in any order, one or several per call. The call that sends the
+    chunk's last layers completes the chunk; on the room's last chunk it also delivers aux and state and
+    concludes Success, as ``send_kv(last=True)`` does. Layers move as direct engine entries as soon as
+    they are sent; a chunk that is staged (scattered pages), head-sliced (TP mismatch), or whose pages hold
+    every layer (page-first layouts), moves whole when its last layer is sent. No control message is sent per layer.
+    """
+
+    def __init__(self, room: int, pages: int, layers: Iterable[int], last: bool,
+                 send: Callable[[frozenset[int], bool, float | None], Awaitable[None]]) -> None:
+        self.room = room
+        self.pages = pages
+        """Pages in this chunk."""
+        self.last = last
+        """Whether this is the room's last chunk."""
+        self._all = tuple(sorted(set(layers)))
+        self._left = set(self._all)
+        self._send = send
+
+    def __repr__(self) -> str:
+        return (f"<KVStream room={self.room} pages={self.pages} layers sent "
+                f"{len(self._all) - len(self._left)}/{len(self._all)}{' last' if self.last else ''}>")
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Every layer of the chunk (the layer ids of the KV buffers)."""
+        return self._all
+
+    @property
+    def layers_left(self) -> tuple[int, ...]:
+        """Layers not sent yet."""
+        return tuple(sorted(self._left))
+
+    @property
+    def complete(self) -> bool:
+        """Every layer has been sent."""
+        return not self._left
+
+    async def send_layers(self, layers: int | Iterable[int], *, timeout: float | None = None) -> None:
+        """Send ``layers`` (one layer id, or several) of this chunk. ``timeout`` bounds the call (the
+        room's conclusion included, on the call that completes the last chunk). Raises
+        :class:`InvalidArgument` before any byte moves for a layer that is unknown or already sent."""
+        ids = [layers] if isinstance(layers, int) else [int(x) for x in layers]
+        if not ids:
+            raise InvalidArgument(f"room {self.room}: send_layers needs at least one layer")
+        if len(set(ids)) != len(ids):
+            raise InvalidArgument(f"room {self.room}: layers must not repeat in one call, got {ids}")
+        unknown = [x for x in ids if x not in self._all]
+        if unknown:
+            raise InvalidArgument(f"room {self.room}: unknown layers {unknown}; this chunk has layers "
+                                  f"{self._all[0]}..{self._all[-1]}" if self._all else f"room {self.room}: no layers")
+        again = [x for x in ids if x not in self._left]
+        if again:
+            raise InvalidArgument(f"room {self.room}: layers {again} were already sent in this chunk")
+        self._left.difference_update(ids)
+        await self._send(frozenset(ids), not self._left, timeout)

@@ -1,0 +1,139 @@
+"""Layer streaming (``KVSender.stream`` / ``KVStream.send_layers``) through a real engine: prefill in this
+process, decode in another OS process."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+
+from aiotransfer import (
+    InvalidArgument,
+    KVArgs,
+    KVManager,
+    KVPoll,
+    KVSender,
+    TransferConfig,
+    TransferFailed,
+    TransferTimeout,
+)
+from tests.conftest import GEOMETRY, expected_digest
+from tests.peer import make_buffers
+from tests.remote import RemoteError, RemotePeer
+
+PAGES = GEOMETRY["pages"]
+LAYER_IDS = [0, 1, 0, 1]  # K of layers 0 and 1, then V of layers 0 and 1
+
+
+@contextlib.asynccontextmanager
+async def streamed_room(engine: str, decode: RemotePeer, room: int, n: int, *, staging: str = "never",
+                        seed: int = 5) -> AsyncIterator[tuple[KVManager, KVSender, list[np.ndarray], list[int], list[int]]]:
+    bufs = make_buffers(GEOMETRY["buffers"], PAGES, GEOMETRY["item_len"], seed=seed)
+    cfg = TransferConfig(engine=engine, staging=staging, staging_bytes=1 << 20, handshake_timeout=10.0)
+    async with KVManager(KVArgs(bufs, page_size=16, dtype="uint8", kv_layer_ids=LAYER_IDS), cfg) as mgr:
+        rng = np.random.default_rng(seed)
+        dst = [int(x) for x in rng.permutation(PAGES)[:n]]
+        src = [int(x) for x in rng.permutation(PAGES)[:n]]
+        tx = mgr.sender(room)
+        await decode.call("receiver", room=room, peer=mgr.endpoint, pages=dst)
+        await tx.wait_ready(timeout=10)
+        yield mgr, tx, bufs, src, dst
+
+
+@pytest.mark.parametrize("staging", ["never", "always"])
+async def test_a_room_streamed_layer_by_layer_in_chunks_is_byte_exact(engine: str, decode: RemotePeer,
+                                                                      staging: str) -> None:
+    async with streamed_room(engine, decode, 1, 120, staging=staging) as (mgr, tx, bufs, src, dst):
+        first = tx.stream(src[:50], last=False)
+        assert first.layers == (0, 1) and first.pages == 50
+        await first.send_layers(1)  # any order
+        entries = mgr.stats().get("kv_entries_sent", 0)
+        if staging == "never":
+            assert entries > 0, "a direct layer moves as soon as it is sent"
+        else:
+            assert entries == 0, "a staged chunk moves whole, with its last layer"
+        assert first.layers_left == (0,) and not first.complete
+        await first.send_layers(0)
+        assert first.complete
+        await tx.send_kv(src[50:80], last=False)  # a whole chunk between streamed ones
+        last = tx.stream(src[80:])
+        await last.send_layers(0)
+        assert (await decode.call("poll", room=1))["status"] != "Success"
+        await last.send_layers([1])
+        await tx.done(timeout=10)
+        assert (await decode.call("done", room=1))["status"] == "Success"
+        assert (await decode.call("digest", pages=dst))["digest"] == expected_digest(bufs, src)
+        assert tx.bytes_sent == 120 * GEOMETRY["buffers"] * GEOMETRY["item_len"]
+
+
+async def test_bad_stream_calls_are_refused_before_any_byte_moves(engine: str, decode: RemotePeer) -> None:
+    async with streamed_room(engine, decode, 2, 40) as (mgr, tx, bufs, src, dst):
+        stream = tx.stream(src[:20], last=False)
+        bad_calls: list[tuple[int | list[int], str]] = [
+            (7, "unknown layers"), ([0, 0], "must not repeat"), ([], "at least one layer")]
+        for bad, why in bad_calls:
+            with pytest.raises(InvalidArgument, match=why):
+                await stream.send_layers(bad)
+        assert mgr.stats().get("kv_entries_sent", 0) == 0
+        await stream.send_layers(0)
+        with pytest.raises(InvalidArgument, match="already sent"):
+            await stream.send_layers([1, 0])
+        with pytest.raises(InvalidArgument, match="destination pages remain"):
+            tx.stream(src[20:30])  # a last chunk that does not complete the room
+        await stream.send_layers(1)
+        await tx.send_kv(src[20:])
+        await tx.done(timeout=10)
+        assert (await decode.call("digest", pages=dst))["digest"] == expected_digest(bufs, src)
+
+
+async def test_streaming_needs_to_know_each_buffers_layer(engine: str, decode: RemotePeer) -> None:
+    bufs = make_buffers(GEOMETRY["buffers"], PAGES, GEOMETRY["item_len"], seed=3)
+    assert KVArgs(bufs, num_layers=2).buffer_layers() == [0, 1, 0, 1]
+    assert KVArgs(bufs, num_layers=4).buffer_layers() == [0, 1, 2, 3]
+    assert KVArgs(bufs, num_layers=3).buffer_layers() is None
+    cfg = TransferConfig(engine=engine, handshake_timeout=10.0)
+    async with KVManager(KVArgs(bufs, page_size=16, dtype="uint8"), cfg) as mgr:
+        tx = mgr.sender(3)
+        await decode.call("receiver", room=3, peer=mgr.endpoint, pages=[1, 2])
+        await tx.wait_ready(timeout=10)
+        with pytest.raises(InvalidArgument, match="needs kv_layer_ids or num_layers"):
+            tx.stream([1, 2])
+        await tx.send_kv([1, 2])
+        await tx.done(timeout=10)
+
+
+async def test_a_decode_abort_mid_stream_fails_the_room_on_both_sides(engine: str, decode: RemotePeer) -> None:
+    async with streamed_room(engine, decode, 4, 60) as (_mgr, tx, _bufs, src, _dst):
+        stream = tx.stream(src)
+        await stream.send_layers(0)
+        await decode.call("abort", room=4, reason="client went away")
+        with pytest.raises(TransferFailed, match="client went away"):
+            await tx.done(timeout=10)
+        with pytest.raises(TransferFailed, match="client went away"):
+            await stream.send_layers(1)
+        await tx.released(timeout=10)
+
+
+async def test_a_prefill_abort_mid_stream_reaches_the_decode_with_its_reason(engine: str, decode: RemotePeer) -> None:
+    async with streamed_room(engine, decode, 5, 60) as (_mgr, tx, _bufs, src, _dst):
+        stream = tx.stream(src)
+        await stream.send_layers(1)
+        await tx.abort("layer 0 failed to compute")
+        assert tx.poll() is KVPoll.Failed
+        with pytest.raises(RemoteError, match="layer 0 failed to compute"):
+            await decode.call("done", room=5, timeout=10)
+        assert "layer 0 failed to compute" in (await decode.call("reason", room=5))["reason"]
+        with pytest.raises(TransferFailed):
+            await stream.send_layers(0)
+
+
+async def test_a_stream_left_incomplete_fails_the_last_chunk_within_its_timeout(engine: str,
+                                                                              decode: RemotePeer) -> None:
+    async with streamed_room(engine, decode, 6, 40) as (_mgr, tx, _bufs, src, _dst):
+        stream = tx.stream(src[:20], last=False)
+        await stream.send_layers(0)  # layer 1 never comes
+        with pytest.raises(TransferTimeout, match="earlier chunks did not finish"):
+            await tx.send_kv(src[20:], timeout=0.5)
+        assert tx.poll() is KVPoll.Failed

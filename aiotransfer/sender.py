@@ -340,15 +340,19 @@ class KVSender(RoomSide):
         self._raise_if_failed()
         deadline = Deadline(ctx.config.transfer_timeout if timeout is None else timeout)
         t0 = time.monotonic()
+        self._chunks_in_flight += 1  # this call; the stream itself holds one more until its chunk completes
+        stream_held = complete
         try:
             await self._run_or_fail(self._run_layers(src, start, layers, complete, deadline))
             ctx.metrics.observe("send_layers", time.monotonic() - t0)
-            if complete and last:
-                await self._run_or_fail(self._finish(deadline))
-        finally:
             if complete:
-                self._chunks_in_flight -= 1
-                self._chunk_finished.set()
+                self._chunks_in_flight -= 1  # the chunk is complete: the stream's hold goes
+                stream_held = False
+                if last:  # waits for every other call in flight, this chunk's other layers included
+                    await self._run_or_fail(self._finish(deadline))
+        finally:
+            self._chunks_in_flight -= 1 + int(stream_held)
+            self._chunk_finished.set()
 
     async def _run_layers(self, src: np.ndarray, start: int, layers: frozenset[int], complete: bool,
                           deadline: Deadline) -> None:

@@ -3,6 +3,7 @@ process, decode in another OS process."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -66,6 +67,18 @@ async def test_a_room_streamed_layer_by_layer_in_chunks_is_byte_exact(engine: st
         assert (await decode.call("done", room=1))["status"] == "Success"
         assert (await decode.call("digest", pages=dst))["digest"] == expected_digest(bufs, src)
         assert tx.bytes_sent == 120 * GEOMETRY["buffers"] * GEOMETRY["item_len"]
+
+
+async def test_layers_sent_concurrently_conclude_only_after_all_of_them_landed(engine: str,
+                                                                                decode: RemotePeer) -> None:
+    async with streamed_room(engine, decode, 7, 200, seed=9) as (_mgr, tx, bufs, src, dst):
+        for chunk, last in ((src[:100], False), (src[100:], True)):
+            stream = tx.stream(chunk, last=last)
+            # as a forward pass would: one task per layer, not awaited before the next layer computes
+            await asyncio.gather(*(stream.send_layers(layer) for layer in (1, 0)))
+        await tx.done(timeout=10)
+        assert (await decode.call("done", room=7))["status"] == "Success"
+        assert (await decode.call("digest", pages=dst))["digest"] == expected_digest(bufs, src)
 
 
 async def test_bad_stream_calls_are_refused_before_any_byte_moves(engine: str, decode: RemotePeer) -> None:

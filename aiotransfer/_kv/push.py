@@ -90,6 +90,9 @@ class Pusher:
         self._checksums: dict[tuple[int, str], RoomChecksum] = {}
         self._aux_fallback_logged = False
         self._owners = ctx.args.buffer_layers()
+        self._streamed: dict[tuple[int, str, int], tuple[list[list[int]] | None, bool]] = {}
+        """Chunks being streamed, per (room, decode rank, first destination slot): page runs, and whether
+        layers move apart (direct) or the chunk moves whole with its last layer."""
 
     # -- planning ---------------------------------------------------------------------------------
     def plan(self, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, *, staging: bool | None = None,
@@ -121,15 +124,19 @@ class Pusher:
                 positions: np.ndarray | None = None) -> Blocks:
         """Direct entries; ``positions``: only these paired buffers (indices into the pairing)."""
         ctx, pairing = self._ctx, peer.pairing
-        if positions is not None:
-            return self._blocks_of(peer, src, dst, positions)
-        if runs is not None and len(runs) * int(pairing.src.size) <= _FEW_ENTRIES:
+        count = int(pairing.src.size) if positions is None else int(positions.size)
+        if runs is not None and pairing.heads is None and len(runs) * count <= _FEW_ENTRIES:
             few = peer.few
             if few is None:
                 few = peer.few = (
                     ctx.kv_bases[pairing.src].tolist(), peer.dst_bases.tolist(), ctx.kv_item_lens[pairing.src].tolist(),
                 )
-            return plan_runs(few[0], few[1], few[2], runs)
+            if positions is None:
+                return plan_runs(few[0], few[1], few[2], runs)
+            pick = positions.tolist()
+            return plan_runs([few[0][i] for i in pick], [few[1][i] for i in pick], [few[2][i] for i in pick], runs)
+        if positions is not None:
+            return self._blocks_of(peer, src, dst, positions)
         return self._blocks_of(peer, src, dst, None)
 
     def _blocks_of(self, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, positions: np.ndarray | None) -> Blocks:
@@ -238,15 +245,24 @@ class Pusher:
         """Write ``layers`` of one chunk to one decode rank; ``complete``: this call sends the chunk's last
         layers. A chunk that is staged, or whose pages hold every layer, moves whole on that call."""
         ctx = self._ctx
-        positions = self.layer_positions(peer, layers)
-        runs = pair_runs(src.tolist(), dst.tolist()) if peer.pairing.heads is None and src.size <= _FEW_PAGES else None
-        if positions is None or self._staging_slices(peer, src, dst, runs) is not None:
+        key = (room, peer.endpoint, dst_start)
+        chunk = self._streamed.get(key)
+        if chunk is None:  # once per chunk and decode rank: its page runs, and whether layers move apart
+            runs = pair_runs(src.tolist(), dst.tolist()) if peer.pairing.heads is None and src.size <= _FEW_PAGES else None
+            apart = self.layer_positions(peer, layers) is not None and self._staging_slices(peer, src, dst, runs) is None
+            chunk = self._streamed[key] = (runs, apart)
+        runs, apart = chunk
+        if complete:
+            del self._streamed[key]
+        if not apart:
             if complete:
                 await self.write_kv(room, peer, src, dst, deadline, dst_start=dst_start, hold=hold)
             return
+        positions = self.layer_positions(peer, layers)
+        assert positions is not None
         if positions.size:
             with engine_failures(room, peer.endpoint, "engine transfer"):
-                blocks = self._blocks(peer, src, dst, positions=positions)
+                blocks = self._blocks(peer, src, dst, runs, positions=positions)
                 await ctx.poller.write(peer.session_id, blocks, timeout=deadline.remaining(), hold=hold)
             ctx.counters["kv_bytes_sent"] += blocks.nbytes
             ctx.counters["kv_entries_sent"] += len(blocks)
@@ -342,6 +358,9 @@ class Pusher:
         if self._checksums:
             for key in [k for k in self._checksums if k[0] == room]:
                 del self._checksums[key]
+        if self._streamed:
+            for skey in [k for k in self._streamed if k[0] == room]:
+                del self._streamed[skey]
 
 
 def _read_bytes(buf: Buffer, slot: int) -> bytes:

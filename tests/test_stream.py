@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -150,3 +155,17 @@ async def test_a_stream_left_incomplete_fails_the_last_chunk_within_its_timeout(
         with pytest.raises(TransferTimeout, match="earlier chunks did not finish"):
             await tx.send_kv(src[20:], timeout=0.5)
         assert tx.poll() is KVPoll.Failed
+
+
+def test_streaming_bench_quick_runs_and_reports_both_modes(tmp_path: Path) -> None:
+    out = tmp_path / "streaming.json"
+    env = dict(os.environ, MC_LOG_LEVEL="ERROR")
+    proc = subprocess.run([sys.executable, "-m", "aiotransfer", "bench", "--suite", "streaming", "--quick",
+                           "--engines", "mooncake_tcp", "--out", str(out)], cwd=Path(__file__).resolve().parents[1],
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (result,) = json.loads(out.read_text())
+    size = result["sizes"]["1024"]
+    assert size["bytes"] == 128 << 20
+    assert size["exposed_after_compute_ms"] > 0 and size["exposed_streamed_ms"] > 0
+    assert "exposed transfer after compute" in proc.stdout

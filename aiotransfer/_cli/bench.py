@@ -482,7 +482,7 @@ def _table(res: dict[str, Any]) -> str:
 # arguments / entry points
 # ----------------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--suite", choices=("default", "full", "lifecycle", "vllm"), default="default",
+    p.add_argument("--suite", choices=("default", "full", "lifecycle", "streaming", "vllm"), default="default",
                    help="default: figures (a)-(c) of raw Mooncake vs aiotransfer; full: the performance suite "
                         "(throughput vs size, scattered, loop-lag CDF, concurrency, 4 KiB latency, send_aux by "
                         "path, TP 4->2, engines), JSON + PNG plots; lifecycle: abort -> released() latency; "
@@ -530,6 +530,10 @@ def run(ns: argparse.Namespace) -> int:
         from .lifecycle import run_lifecycle
 
         return run_lifecycle(ns)
+    if getattr(ns, "suite", "default") == "streaming":
+        from .streaming import run_streaming
+
+        return run_streaming(ns)
     if getattr(ns, "suite", "default") == "vllm":
         from .vllm.bench import from_bench_cli
 

@@ -4,7 +4,7 @@ behind the compute of the following layers. Two processes, Mooncake TransferEngi
 The prefill "computes" a 16-layer model (a fixed time per layer, simulated) twice over the same 64 MiB
 request: once sending the KV after the forward pass (``send_kv``), once streaming it layer by layer
 (``tx.stream(pages)`` then ``stream.send_layers(layer)`` in the layer's forward hook). It prints the
-exposed transfer time of each (from the end of the last layer's compute to the decode's ``Success``),
+exposed transfer time of each (from the end of the last layer's compute to the room's ``Success``),
 and the event loop's CPU time per ``send_layers`` call. The decode checks every byte. Run it::
 
     MC_LOG_LEVEL=ERROR python examples/layer_streaming.py

@@ -49,6 +49,8 @@ class Peer:
     def __init__(self, ns: argparse.Namespace) -> None:
         self.ns = ns
         self.kv = make_buffers(ns.buffers, ns.pages, ns.item_len, ns.seed)
+        if ns.scale_item_len:  # one per-page scale buffer per KV buffer (fp8 KV), registered as KV buffers
+            self.kv += make_buffers(ns.buffers, ns.pages, ns.scale_item_len, None if ns.seed is None else ns.seed + 99)
         self.aux = make_buffers(ns.aux_buffers, ns.aux_slots, ns.aux_item_len, ns.seed) if ns.aux_buffers else []
         self.state: dict[str, list[np.ndarray]] = {}
         for i, spec in enumerate(ns.state or []):
@@ -160,7 +162,7 @@ class Peer:
         cfg = TransferConfig.from_env(engine=self.ns.engine, handshake_timeout=self.ns.handshake_timeout)
         ns = self.ns
         layer_ids = [int(x) for x in ns.layer_ids.split(",")] if ns.layer_ids else None
-        args = KVArgs(self.kv, page_size=ns.page_size, dtype="uint8", aux_buffers=self.aux, state_buffers=self.state,
+        args = KVArgs(self.kv, page_size=ns.page_size, dtype=ns.dtype, aux_buffers=self.aux, state_buffers=self.state,
                       layout=ns.layout, tp_size=ns.tp_size, tp_rank=ns.tp_rank, kv_heads=ns.kv_heads,
                       total_kv_heads=ns.total_kv_heads, kv_layer_ids=layer_ids, pp_size=ns.pp_size,
                       pp_rank=ns.pp_rank)
@@ -197,6 +199,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--state", action="append", help="kind:buffers:slots:item_len")
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--dtype", default="uint8", help="the KV dtype this peer declares")
+    p.add_argument("--scale-item-len", type=int, default=0, help="bytes per page of per-page scale buffers")
     p.add_argument("--layout", default="layer_first")
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--tp-rank", type=int, default=0)

@@ -17,8 +17,10 @@ from aiotransfer.plan import (
     check_unique,
     coalesce_runs,
     page_runs,
+    pair_runs,
     plan_blocks,
     plan_few,
+    plan_runs,
     plan_slots,
     split_blocks,
 )
@@ -491,3 +493,47 @@ def test_property_split_blocks(num: int, max_entries: int) -> None:
         joined = np.concatenate([p[i] for p in parts]) if parts else np.empty(0, dtype=U64)
         assert joined.tolist() == getattr(blocks, field).tolist()
     assert sum(p.nbytes for p in parts) == blocks.nbytes
+
+
+def _byte_map(blocks: Any) -> dict[int, int]:
+    """Every source byte address -> the destination byte address it is written to."""
+    out: dict[int, int] = {}
+    for s, d, n in zip(blocks.src.tolist(), blocks.dst.tolist(), blocks.length.tolist(), strict=True):
+        for k in range(n):
+            assert s + k not in out, "a byte is written twice"
+            out[s + k] = d + k
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_layer_plans_together_move_exactly_the_chunk(data: st.DataObject) -> None:
+    """Layer streaming plans each layer's buffers of a chunk on its own (plain Python for small plans):
+    over all layers, the same bytes go to the same places as the chunk's plan in one piece, however the
+    buffers are laid out in memory (adjacent buffers included) and however the pages run."""
+    nbuf = data.draw(st.integers(1, 6))
+    layers = data.draw(st.integers(1, nbuf))
+    owners = [b % layers for b in range(nbuf)]
+    lens = data.draw(st.lists(st.integers(1, 24), min_size=nbuf, max_size=nbuf))
+    pages = 12
+    gap = data.draw(st.sampled_from([0, 7]))  # 0: buffers back to back, so the whole plan may merge them
+    src_bases, dst_bases, at_s, at_d = [], [], 4096, 1 << 20
+    for n in lens:
+        src_bases.append(at_s)
+        dst_bases.append(at_d)
+        at_s += n * pages + gap
+        at_d += n * pages + gap
+    count = data.draw(st.integers(1, pages))
+    src = data.draw(st.permutations(range(pages)))[:count]
+    dst = data.draw(st.permutations(range(pages)))[:count]
+    whole = _byte_map(plan_blocks(np.array(src_bases, np.uint64), np.array(dst_bases, np.uint64),
+                                  np.array(lens, np.uint64), np.array(src), np.array(dst)))
+    runs = pair_runs(list(src), list(dst))
+    parts: dict[int, int] = {}
+    for layer in range(layers):
+        pick = [b for b in range(nbuf) if owners[b] == layer]
+        part = _byte_map(plan_runs([src_bases[b] for b in pick], [dst_bases[b] for b in pick],
+                                   [lens[b] for b in pick], runs))
+        assert not parts.keys() & part.keys(), "two layers write the same byte"
+        parts.update(part)
+    assert parts == whole

@@ -135,9 +135,7 @@ class Pusher:
                 return plan_runs(few[0], few[1], few[2], runs)
             pick = positions.tolist()
             return plan_runs([few[0][i] for i in pick], [few[1][i] for i in pick], [few[2][i] for i in pick], runs)
-        if positions is not None:
-            return self._blocks_of(peer, src, dst, positions)
-        return self._blocks_of(peer, src, dst, None)
+        return self._blocks_of(peer, src, dst, positions)
 
     def _blocks_of(self, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, positions: np.ndarray | None) -> Blocks:
         ctx, pairing = self._ctx, peer.pairing
@@ -228,14 +226,16 @@ class Pusher:
         if ctx.config.checksum:
             await self._checksum_add(peer, room, src, deadline, hold)
 
-    def layer_positions(self, peer: DecodePeer, layers: frozenset[int]) -> np.ndarray | None:
-        """The paired buffers (indices into ``peer.pairing``) holding ``layers``, when a chunk to ``peer``
-        can move layer by layer as direct entries; ``None`` when it moves whole (page-first layouts hold
-        every layer in one page; head-sliced pairings; unknown layers)."""
-        ctx = self._ctx
+    def _by_layer(self, peer: DecodePeer) -> bool:
+        """Whether a chunk to ``peer`` can move layer by layer as direct entries (not when the buffers'
+        layers are unknown, when pages hold every layer (page-first layouts), or when heads are sliced)."""
+        return (self._owners is not None and self._ctx.args.layout in ("layer_first", "mla")
+                and peer.pairing.heads is None)
+
+    def _layer_positions(self, peer: DecodePeer, layers: frozenset[int]) -> np.ndarray:
+        """The paired buffers (indices into ``peer.pairing``) holding ``layers``."""
         owners = self._owners
-        if owners is None or ctx.args.layout not in ("layer_first", "mla") or peer.pairing.heads is not None:
-            return None
+        assert owners is not None
         return np.array([i for i, b in enumerate(peer.pairing.src) if owners[int(b)] in layers], dtype=np.int64)
 
     async def write_kv_layers(
@@ -249,7 +249,7 @@ class Pusher:
         chunk = self._streamed.get(key)
         if chunk is None:  # once per chunk and decode rank: its page runs, and whether layers move apart
             runs = pair_runs(src.tolist(), dst.tolist()) if peer.pairing.heads is None and src.size <= _FEW_PAGES else None
-            apart = self.layer_positions(peer, layers) is not None and self._staging_slices(peer, src, dst, runs) is None
+            apart = self._by_layer(peer) and self._staging_slices(peer, src, dst, runs) is None
             chunk = self._streamed[key] = (runs, apart)
         runs, apart = chunk
         if complete:
@@ -258,8 +258,7 @@ class Pusher:
             if complete:
                 await self.write_kv(room, peer, src, dst, deadline, dst_start=dst_start, hold=hold)
             return
-        positions = self.layer_positions(peer, layers)
-        assert positions is not None
+        positions = self._layer_positions(peer, layers)
         if positions.size:
             with engine_failures(room, peer.endpoint, "engine transfer"):
                 blocks = self._blocks(peer, src, dst, runs, positions=positions)

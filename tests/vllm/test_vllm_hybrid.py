@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.vllm.test_vllm_pd import run_harness
+from tests.vllm.harness import assert_no_leak, run_harness
 
 KINDS = ["aiotransfer-mooncake", "aiotransfer-nixl"]
 LENGTHS = [600, 100, 37, 257]
@@ -83,8 +83,7 @@ def test_hybrid_negative_control_another_requests_state_and_kv_differ(hybrid_run
 def test_hybrid_pd_leaves_every_block_free(hybrid_run: dict[str, Any], kind: str) -> None:
     run = _run(hybrid_run, kind)
     for side in ("prefill", "decode"):
-        settle = run["settle"][side]
-        assert settle["settled"] and settle["requests"] == 0, f"{side}: {settle}"
+        assert_no_leak(run["settle"][side], f"{kind} {side}")
     n = len(LENGTHS) + 2
     prefill, decode = run["stats"]["prefill"], run["stats"]["decode"]
     assert prefill["worker"]["sends"] == n and prefill["worker"]["sends_failed"] == 0, prefill

@@ -10,17 +10,12 @@ the token comparison can fail. One harness run is shared by many assertions to k
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.vllm.harness import assert_no_leak, run_harness
+
 AIOTRANSFER_KINDS = ["aiotransfer-mooncake", "aiotransfer-nixl"]
 PD_KINDS = ["nixl", *AIOTRANSFER_KINDS]
 LENGTHS = [600, 100, 37, 257]  # 600 tokens span 19 blocks of 32; all four are in flight together
@@ -30,57 +25,8 @@ LEASE = 10.0
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 
-def run_harness(python: str, workdir: Path, *args: str, timeout: float = 600.0) -> dict[str, Any]:
-    """Run one harness scenario; returns its JSON plus ``_wall_s`` (the subprocess's wall time)."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    out = workdir / "result.json"
-    log = workdir / "harness.log"
-    cmd = [python, "-m", "aiotransfer._cli.vllm_pd", *args, "--workdir", str(workdir), "--json", str(out)]
-    t0 = time.monotonic()
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
-        try:
-            rc = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)  # the harness tears its engines down on SIGTERM
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            pytest.fail(f"harness {args[0]} ran past {timeout:.0f} s; log {log}:\n{_tail(log)}")
-    if rc != 0 or not out.exists():
-        pytest.fail(f"harness {args[0]} exited {rc}; log {log}:\n{_tail(log)}")
-    result: dict[str, Any] = json.loads(out.read_text())
-    result["_wall_s"] = time.monotonic() - t0
-    print(f"[vllm] {' '.join(args)}: {result['_wall_s']:.0f} s; engine peaks (MiB): {_peaks(result)}",
-          file=sys.stderr)
-    return result
-
-
-def _tail(path: Path, lines: int = 40) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-
-
-def _peaks(result: dict[str, Any]) -> dict[str, Any]:
-    """Peak RSS per engine process, from the engines' own stats."""
-    found: dict[str, Any] = {}
-    if "reference" in result:
-        found["reference"] = result["reference"].get("peak_rss_mib")
-    for kind, run in result.get("runs", {}).items():
-        found[kind] = run.get("peak_rss_mib")
-    if "peak_rss_mib" in result:
-        found["pair"] = result["peak_rss_mib"]
-    return found
-
-
 def _engine_log_hint(result: dict[str, Any]) -> str:
     return f"engine logs in {result.get('workdir')}"
-
-
-def _assert_no_leak(settle: dict[str, Any], side: str) -> None:
-    assert settle["settled"], f"{side}: {settle['free_idle'] - settle['free']} blocks never came back: {settle}"
-    assert settle["free"] == settle["free_idle"] and settle["requests"] == 0, settle
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -130,7 +76,7 @@ def test_pd_leaves_every_block_free(pd_run: dict[str, Any], kind: str) -> None:
     run = pd_run["runs"][kind]
     assert "error" not in run, run["error"]
     for side in ("prefill", "decode"):
-        _assert_no_leak(run["settle"][side], f"{kind} {side}")
+        assert_no_leak(run["settle"][side], f"{kind} {side}")
 
 
 @pytest.mark.parametrize("kind", AIOTRANSFER_KINDS)
@@ -176,7 +122,7 @@ def test_killed_prefill_leaks_no_decode_block(killed_prefill: dict[str, Any]) ->
     res = killed_prefill
     before = res["blocks_before"]
     assert before["free"] == before["free_idle"]
-    _assert_no_leak(res["settle"], "decode")
+    assert_no_leak(res["settle"], "decode")
     worker = res["decode_stats"]["worker"]
     assert worker["receives"] == 3 and worker["receives_failed"] == 3, worker
     assert worker["in_flight"] == 0 and worker["withheld"] == 0, worker
@@ -198,7 +144,7 @@ def test_decode_abort_returns_every_block_on_both_sides(aborted_decode: dict[str
     held = res["prefill_blocks_after_decode"]
     assert held["free"] <= held["free_idle"]
     for side in ("prefill", "decode"):
-        _assert_no_leak(res["settle"][side], side)
+        assert_no_leak(res["settle"][side], side)
     # the prefill hears of the abort: its blocks come back well before its lease would have freed them
     assert res["prefill_free_after_s"] < LEASE / 2, res["prefill_free_after_s"]
     for side in ("prefill", "decode"):

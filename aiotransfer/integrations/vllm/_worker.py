@@ -71,7 +71,7 @@ class WorkerSide:
         tensors = list(kv_caches.values())
         if not tensors:
             raise AiotransferError("register_kv_caches: vLLM gave no KV tensors")
-        dtype = str(tensors[0].dtype).removeprefix("torch.")
+        dtype = _dtype(kv_caches)
         self._block_bytes = sum(int(t[0].numel()) * int(t.element_size()) if hasattr(t, "element_size")
                                 else int(t[0].nbytes) for t in tensors)
         args = KVArgs(tensors, page_size=block_size, dtype=dtype, tp_rank=0, tp_size=1)
@@ -216,9 +216,9 @@ class WorkerSide:
                         blocks: Iterable[int]) -> None:
         """Wait until the room's pages are provably untouched, then report the request finished."""
         what = "send" if sending else "load"
-        if failure is not None and FORGONE in failure:
+        if sending and failure is not None and FORGONE in failure:
             # The decode never needed this KV (it ended, or its prefix cache held it): expected, not an error.
-            self.stats["sends_forgone" if sending else "receives_failed"] += 1
+            self.stats["sends_forgone"] += 1
             log.info("aiotransfer: KV %s of request %s (room %d) not needed: %s", what, req_id, side.room, failure)
         elif failure is not None:
             self.stats["sends_failed" if sending else "receives_failed"] += 1

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .convert import PageGeometry
 from .errors import InvalidArgument
 
 __all__ = ["Buffer", "KVArgs", "resolve_buffer"]
@@ -112,6 +113,9 @@ class KVArgs:
     """Tokens per page."""
     dtype: str = "unknown"
     layout: str = "layer_first"
+    head_order: str = "NHD"
+    """Inside a page (or a page's sub-block of one layer): ``NHD`` token-major rows of heads, or ``HND``
+    head-major (each head's tokens together). Peers that differ are converted while staging."""
     kv_layer_ids: Sequence[int] | None = None
     aux_buffers: Sequence[BufferLike] = ()
     aux_item_lens: int | Sequence[int] | None = None
@@ -144,6 +148,8 @@ class KVArgs:
             raise InvalidArgument(
                 f"unknown layout {self.layout!r}: layer_first, page_first, page_first_kv_split or mla"
             )
+        if self.head_order not in ("NHD", "HND"):
+            raise InvalidArgument(f"unknown head_order {self.head_order!r}: NHD (token-major) or HND (head-major)")
         if self.kv_heads and self.total_kv_heads and self.kv_heads > self.total_kv_heads:
             raise InvalidArgument("kv_heads exceeds total_kv_heads")
         self.kv: list[Buffer] = _resolve_list(self.kv_buffers, self.kv_item_lens, "kv", self.kv_layer_ids)
@@ -210,10 +216,25 @@ class KVArgs:
         return self.layout == "mla"
 
     def compat_hash(self) -> str:
-        """A digest of what must match between any two peers: layout, dtype and page size.
+        """A digest of what must match between any two peers: the KV dtype.
 
-        Buffer counts and item lengths may differ (PP stages, TP head splits); they are paired and
-        checked per peer at registration.
+        Layouts, page sizes, buffer counts and item lengths may differ (conversion, PP stages, TP head
+        splits); they are paired and checked per peer at registration.
         """
-        parts = [self.layout, self.dtype, str(self.page_size)]
+        parts = [self.dtype]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+    def page_geometry(self) -> PageGeometry | str:
+        """How this rank pages its KV, for conversion between layouts: needs ``kv_heads`` (and ``num_layers``
+        for the page-first layouts); returns the reason when it cannot be told."""
+        if not self.kv_heads:
+            return "kv_heads is not set, so the heads inside a page are unknown"
+        planes_per_buffer = self.outer
+        if planes_per_buffer > 1 and not self.num_layers:
+            return f"num_layers is not set for the {self.layout} layout"
+        layers = self.num_layers or (len(self.kv) if self.is_mla else len(self.kv) // 2)
+        item = self.kv[0].item_len
+        per_head = planes_per_buffer * self.page_size * self.kv_heads
+        if layers < 1 or item % per_head or any(b.item_len != item for b in self.kv):
+            return f"KV pages of {item} bytes are not {planes_per_buffer} x {self.page_size} tokens x {self.kv_heads} heads"
+        return PageGeometry(self.layout, self.head_order, self.page_size, self.kv_heads, item // per_head, layers)

@@ -16,6 +16,12 @@ layout                      buffers                          ``outer`` (sub-bloc
 :func:`pair_buffers` decides, for a (local, remote) pair of ranks, which buffer feeds which and whether
 whole pages move or per-row head slices do. When both sides publish layer ids, buffers pair by layer
 id (PP stages, draft layers); otherwise by position.
+
+Page sizes may differ when one divides the other and pages are token-major (``layer_first``, ``mla``): both
+sides are then seen as *units* of ``g = min(P, D)`` tokens, ``P / g`` per source page and ``D / g`` per
+destination page, and every plan works on units as it would on pages (runs of units coalesce across page
+boundaries). The page-first layouts interleave layers inside a page, so their tokens are not contiguous and
+a page-size difference is refused for them.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import numpy as np
 
 from .topology import HeadSlice, head_slice
 
-__all__ = ["KVLayout", "KVPairing", "RankGeometry", "pair_buffers"]
+__all__ = ["KVLayout", "KVPairing", "RankGeometry", "pair_buffers", "units_per_page"]
 
 
 class KVLayout(str, enum.Enum):
@@ -70,7 +76,24 @@ class KVPairing:
     heads: HeadSlice | None
     """None: whole pages move. Otherwise per-row slices of heads."""
     rows_per_page: int = 0
+    """Head slicing: rows (tokens x sub-blocks) of one unit."""
     head_bytes: int = 0
+    src_units: int = 1
+    """Units per source page (``P / min(P, D)``; 1 when the page sizes match)."""
+    dst_units: int = 1
+    """Units per destination page."""
+    unit_lens: tuple[int, ...] = ()
+    """Bytes of one source unit, per paired buffer (the item length when the page sizes match)."""
+    dst_unit_lens: tuple[int, ...] = ()
+    """Bytes of one destination unit, per paired buffer."""
+    stream: bool = False
+    """The sides page differently (layout, head order): tokens move as a staged stream, one unit per token,
+    gathered with our geometry and scattered with the peer's; ``src`` and ``dst`` are empty."""
+
+    @property
+    def converts_pages(self) -> bool:
+        """The two sides' page sizes differ: plans work on units, not pages."""
+        return self.src_units != 1 or self.dst_units != 1
 
     @property
     def sliced(self) -> bool:
@@ -110,15 +133,18 @@ def pair_buffers(local: RankGeometry, remote: RankGeometry) -> KVPairing | str:
     """Pair local (sending) buffers with remote (receiving) ones; returns a refusal reason on mismatch."""
     if local.layout != remote.layout:
         return f"layout mismatch: peer {remote.layout!r}, ours {local.layout!r}"
-    if local.page_size != remote.page_size:
-        return f"page size mismatch: peer {remote.page_size}, ours {local.page_size}"
+    units = _units(local, remote)
+    if isinstance(units, str):
+        return units
+    k_src, k_dst = units
     pairs = _pair_indices(local, remote)
     if isinstance(pairs, str):
         return pairs
     src, dst = pairs
     s_arr, d_arr = np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)
-    s_lens = [local.item_lens[i] for i in src]
-    d_lens = [remote.item_lens[j] for j in dst]
+    s_lens = [local.item_lens[i] // k_src for i in src]
+    d_lens = [remote.item_lens[j] // k_dst for j in dst]
+    s_units, d_units = tuple(s_lens), tuple(d_lens)
     is_mla = local.layout == KVLayout.MLA.value
     heads: HeadSlice | None = None
     if not is_mla and local.total_kv_heads and remote.total_kv_heads:
@@ -133,11 +159,12 @@ def pair_buffers(local: RankGeometry, remote: RankGeometry) -> KVPairing | str:
     if heads is None:
         for i, (a, b) in enumerate(zip(s_lens, d_lens, strict=True)):
             if a != b:
-                return f"KV item length mismatch at buffer {src[i]}: peer {b} bytes/page, ours {a}"
-        return KVPairing(s_arr, d_arr, None)
+                what = "page" if k_src == k_dst == 1 else f"{min(local.page_size, remote.page_size)} tokens"
+                return f"KV item length mismatch at buffer {src[i]}: peer {b} bytes/{what}, ours {a}"
+        return KVPairing(s_arr, d_arr, None, 0, 0, k_src, k_dst, s_units, d_units)
     if local.outer != remote.outer:
         return f"page structure mismatch: {local.outer} vs {remote.outer} sub-blocks per page"
-    rows = local.outer * local.page_size
+    rows = local.outer * local.page_size // k_src
     hb_local = {n // (rows * heads.src_heads) for n in s_lens}
     hb_remote = {n // (rows * heads.dst_heads) for n in d_lens}
     if len(hb_local) != 1 or hb_local != hb_remote:
@@ -146,4 +173,30 @@ def pair_buffers(local: RankGeometry, remote: RankGeometry) -> KVPairing | str:
     for n in s_lens:
         if n != rows * heads.src_heads * head_bytes:
             return f"item length {n} is not {rows} rows x {heads.src_heads} heads x {head_bytes} bytes"
-    return KVPairing(s_arr, d_arr, heads, rows, head_bytes)
+    return KVPairing(s_arr, d_arr, heads, rows, head_bytes, k_src, k_dst, s_units, d_units)
+
+
+def _units(local: RankGeometry, remote: RankGeometry) -> tuple[int, int] | str:
+    """(units per source page, units per destination page), or why the page sizes cannot be converted."""
+    p, d = local.page_size, remote.page_size
+    if p == d:
+        return 1, 1
+    if max(p, d) % min(p, d):
+        return f"page sizes differ and neither divides the other: peer {d}, ours {p} tokens per page"
+    if local.outer != 1 or remote.outer != 1:
+        return (f"page sizes differ (peer {d}, ours {p} tokens per page): converting them needs token-major pages "
+                f"(layer_first or mla), not {local.layout!r}")
+    g = min(p, d)
+    return p // g, d // g
+
+
+def units_per_page(item_len: int, page_size: int, outer: int, unit_bytes: int) -> int | None:
+    """How many units of ``unit_bytes`` one of our pages is, as a peer's message describes them: a whole
+    number that divides our tokens per page (1 when the page sizes match; more only for token-major pages),
+    else None."""
+    if unit_bytes <= 0 or item_len % unit_bytes:
+        return None
+    k = item_len // unit_bytes
+    if k == 1 or (outer == 1 and page_size % k == 0):
+        return k
+    return None

@@ -32,6 +32,8 @@ __all__ = [
     "plan_runs",
     "plan_slots",
     "split_blocks",
+    "unit_span",
+    "units_of",
 ]
 
 IndexArray: TypeAlias = npt.NDArray[np.int64]
@@ -401,3 +403,28 @@ def plan_head_slices(
     dst = dst.reshape(-1)
     length = np.full(src.shape, np.uint64(head_count) * hb, dtype=np.uint64)
     return _merge_adjacent(src, dst, length)
+
+
+def units_of(pages: npt.NDArray[np.integer[Any]], k: int) -> IndexArray:
+    """The units of ``pages`` when each page is ``k`` units: page ``p`` is units ``[p * k, p * k + k)``, in
+    order."""
+    p = np.asarray(pages, dtype=np.int64)
+    if k == 1:
+        return p
+    return (p[:, None] * k + np.arange(k, dtype=np.int64)).reshape(-1)
+
+
+def unit_span(
+    src: IndexArray, dst_pages: IndexArray, start: int, src_units: int, dst_units: int, total: int
+) -> tuple[IndexArray, IndexArray, int]:
+    """A chunk of source pages ``src`` starting at source page ``start`` of a room, in units:
+    ``(source units, destination units, first unit)``, the room's destination pages being ``dst_pages`` and
+    its tokens ``total`` units (the last page on either side may be part full). With equal page sizes these
+    are the pages themselves."""
+    if src_units == dst_units == 1:
+        return src, dst_pages[start : start + src.size], start
+    first = start * src_units
+    n = max(0, min(int(src.size) * src_units, total - first))
+    lo, hi = first // dst_units, -(-(first + n) // dst_units)
+    dst = units_of(dst_pages[lo:hi], dst_units)[first - lo * dst_units :][:n]
+    return units_of(src, src_units)[:n], dst, first

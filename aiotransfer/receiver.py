@@ -45,6 +45,7 @@ class KVReceiver(RoomSide):
         self.prefill_dp_rank = prefill_dp_rank
         self._route: Route | None = None
         self._pages: np.ndarray | None = None
+        self._num_tokens = 0
         self._sent = False
         self._succeeded: set[int] = set()
         self.aux_index: int | None = None
@@ -64,6 +65,11 @@ class KVReceiver(RoomSide):
         return self._pages
 
     @property
+    def num_tokens(self) -> int:
+        """The tokens declared by :meth:`send_metadata` (0 before)."""
+        return self._num_tokens
+
+    @property
     def sources(self) -> Mapping[str, int]:
         """Prefill endpoint -> prefill rank, for every rank this room expects data and a status from."""
         return self._route.sources if self._route is not None else {}
@@ -80,11 +86,15 @@ class KVReceiver(RoomSide):
         aux_index: int | None = None,
         state_indices: Mapping[str, Sequence[int]] | None = None,
         *,
+        num_tokens: int | None = None,
         timeout: float | None = None,
     ) -> None:
         """Tell the prefill rank(s) where to write: local page indices, aux slot and state slots.
 
-        Validated here before anything is sent: indices in range and unique, aux slot in range.
+        ``num_tokens``: the tokens the room holds, its last page possibly part full (default: every page
+        full). Give it when the prefill's page size differs from ours: the prefill sends exactly the pages
+        that hold these tokens. Validated here before anything is sent: indices in range and unique, the
+        pages exactly those ``num_tokens`` need, aux slot in range.
         The first call to a peer also registers this rank's buffers with it (bounded handshake);
         ``timeout`` bounds the whole call.
         """
@@ -99,6 +109,13 @@ class KVReceiver(RoomSide):
         check_unique(pages, what="kv_indices")
         if pages.size and int(pages.max()) >= 2**31:
             raise InvalidArgument("kv_indices must fit in int32")
+        if num_tokens is not None:
+            size = ctx.args.page_size
+            if num_tokens < 0 or -(-num_tokens // size) != pages.size:
+                raise InvalidArgument(
+                    f"num_tokens {num_tokens} does not fill the {pages.size} pages given "
+                    f"({size} tokens per page: {-(-max(num_tokens, 0) // size)} pages)"
+                )
         if aux_index is not None:
             slots = min((b.num_items for b in ctx.args.aux), default=0)
             if not ctx.args.aux:
@@ -109,9 +126,10 @@ class KVReceiver(RoomSide):
         deadline = Deadline(ctx.config.handshake_timeout if timeout is None else timeout)
         self._sent = True
         self._pages = pages
+        self._num_tokens = pages.size * ctx.args.page_size if num_tokens is None else num_tokens
         try:
             self._route = await self._client.route(self.room, self.peer, self.prefill_dp_rank, pages, aux_index,
-                                                   states, deadline)
+                                                   states, deadline, -1 if num_tokens is None else num_tokens)
             self._asked.update(self._route.sources)  # before sending: a request on its way may still land
             await self._client.send(self._route, deadline)
         except BaseException as exc:

@@ -20,7 +20,7 @@ from ._kv.push import Pusher
 from ._kv.room import RoomSide
 from .control.messages import TransferRequest
 from .errors import InvalidArgument, PeerError, TransferFailed, TransferTimeout
-from .plan import as_index_array, check_range
+from .plan import as_index_array, check_range, unit_span
 from .status import KVPoll
 from .stream import KVStream
 
@@ -34,10 +34,27 @@ class _Dst:
     peer: DecodePeer
     request: TransferRequest
     kv_indices: np.ndarray
+    units: int = 0
+    """The room's tokens in units of the pairing (its pages, when both page sizes match)."""
 
     @property
     def is_dummy(self) -> bool:
         return self.request.is_dummy
+
+    def span(self, src: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """(our units, the decode's units, first unit) of the chunk of pages ``src`` starting at ``start``."""
+        pairing = self.peer.pairing
+        return unit_span(src, self.kv_indices, start, pairing.src_units, pairing.dst_units, self.units)
+
+
+def _room_size(page_size: int, peer: DecodePeer, req: TransferRequest, kv_indices: np.ndarray) -> tuple[int, int] | str:
+    """(our pages the room needs, its units) from a decode rank's declaration, or why it does not add up."""
+    theirs = peer.hello.page_size
+    tokens = req.num_tokens if req.num_tokens >= 0 else int(kv_indices.size) * theirs
+    if -(-tokens // theirs) != kv_indices.size:
+        return f"decode declares {tokens} tokens in {kv_indices.size} pages of {theirs}"
+    unit = page_size // peer.pairing.src_units
+    return -(-tokens // page_size), -(-tokens // unit)
 
 
 class KVSender(RoomSide):
@@ -184,12 +201,17 @@ class KVSender(RoomSide):
             )
         if peer.endpoint in self._dsts:
             return f"duplicate transfer request for room {self.room} from {peer.endpoint}"
+        units = 0
         if not req.is_dummy:
+            size = _room_size(self._ctx.args.page_size, peer, req, kv_indices)
+            if isinstance(size, str):
+                return size
+            pages, units = size
             if self._num_dst_pages is None:
-                self._num_dst_pages = int(kv_indices.size)
-            elif kv_indices.size != self._num_dst_pages:
-                return f"decode ranks disagree on page count ({kv_indices.size} vs {self._num_dst_pages})"
-        self._dsts[peer.endpoint] = _Dst(peer, req, kv_indices)
+                self._num_dst_pages = pages
+            elif pages != self._num_dst_pages:
+                return f"decode ranks disagree on the room's size ({pages} vs {self._num_dst_pages} of our pages)"
+        self._dsts[peer.endpoint] = _Dst(peer, req, kv_indices, units)
         if len(self._dsts) >= self._required:
             if self._num_dst_pages is None:
                 self._num_dst_pages = 0
@@ -203,12 +225,13 @@ class KVSender(RoomSide):
 
     @property
     def num_pages(self) -> int | None:
-        """Destination pages declared by decode (None until ready)."""
+        """Pages of ours the room needs (None until ready): the pages the decode declared, or, when the page
+        sizes differ, ours that hold the tokens it declared."""
         return self._num_dst_pages
 
     @property
     def pages_remaining(self) -> int | None:
-        """Destination pages not yet covered by a chunk (None until ready)."""
+        """Pages of ours not yet covered by a chunk (None until ready)."""
         return None if self._num_dst_pages is None else self._num_dst_pages - self._cursor
 
     @property
@@ -359,11 +382,11 @@ class KVSender(RoomSide):
         real = self._real_dsts()
         if not real or src.size == 0:
             return
-        coros = [
-            self._pusher.write_kv_layers(self.room, d.peer, src, d.kv_indices[start : start + src.size], layers,
-                                         complete, deadline, dst_start=start, hold=self._ledger.take)
-            for d in real
-        ]
+        coros = []
+        for d in real:
+            ours, theirs, first = d.span(src, start)
+            coros.append(self._pusher.write_kv_layers(self.room, d.peer, ours, theirs, layers, complete, deadline,
+                                                      dst_start=first, hold=self._ledger.take))
         await self._gather(coros)
         if complete:
             self.bytes_sent += sum(b.item_len for b in self._ctx.args.kv) * int(src.size) * len(real)
@@ -385,11 +408,11 @@ class KVSender(RoomSide):
         on_done = None
         if conclude and len(real) == 1 and not self._ctx.config.checksum:
             on_done = functools.partial(self._conclude_on_completion, real[0].peer)
-        coros = [
-            self._pusher.write_kv(self.room, d.peer, src, d.kv_indices[start : start + src.size], deadline,
-                                  dst_start=start, on_done=on_done, hold=self._ledger.take)
-            for d in real
-        ]
+        coros = []
+        for d in real:
+            ours, theirs, first = d.span(src, start)
+            coros.append(self._pusher.write_kv(self.room, d.peer, ours, theirs, deadline, dst_start=first,
+                                               on_done=on_done, hold=self._ledger.take))
         await self._gather(coros)
         self.bytes_sent += sum(b.item_len for b in self._ctx.args.kv) * int(src.size) * len(real)
 

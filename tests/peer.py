@@ -81,10 +81,11 @@ class Peer:
 
     async def op_receiver(self, mgr: KVManager, room: int, peer: str, pages: list[int],
                           aux_index: int | None = None, state: dict[str, list[int]] | None = None,
-                          timeout: float = 10.0) -> None:
+                          timeout: float = 10.0, num_tokens: int | None = None) -> None:
         rx = mgr.receiver(room, peer)
         self.rooms[room] = rx
-        await rx.send_metadata(pages, aux_index=aux_index, state_indices=state, timeout=timeout)
+        await rx.send_metadata(pages, aux_index=aux_index, state_indices=state, num_tokens=num_tokens,
+                               timeout=timeout)
 
     async def op_done(self, mgr: KVManager, room: int, timeout: float = 30.0) -> dict[str, Any]:
         obj = self.rooms[room]
@@ -118,6 +119,18 @@ class Peer:
 
     async def op_digest(self, mgr: KVManager, pages: list[int]) -> dict[str, Any]:
         return {"digest": digest(self.kv, pages)}
+
+    async def op_token_digest(self, mgr: KVManager, pages: list[int], num_tokens: int, head_start: int = 0,
+                              head_count: int = 0) -> dict[str, Any]:
+        """Digest of the first ``num_tokens`` tokens held by ``pages`` (token-major pages), heads
+        ``[head_start, +head_count)`` of each (0: every head): the same whatever the page size."""
+        h = hashlib.sha256()
+        heads = self.ns.kv_heads or 1
+        for buf in self.kv:
+            rows = np.ascontiguousarray(buf[np.asarray(pages, dtype=np.int64)]).reshape(-1, heads, buf.shape[1] // (
+                self.ns.page_size * heads))[:num_tokens]
+            h.update(np.ascontiguousarray(rows[:, head_start : head_start + (head_count or heads)]).tobytes())
+        return {"digest": h.hexdigest()}
 
     async def op_aux_digest(self, mgr: KVManager, slots: list[int]) -> dict[str, Any]:
         return {"digest": digest(self.aux, slots)}
@@ -165,7 +178,7 @@ class Peer:
         args = KVArgs(self.kv, page_size=ns.page_size, dtype=ns.dtype, aux_buffers=self.aux, state_buffers=self.state,
                       layout=ns.layout, tp_size=ns.tp_size, tp_rank=ns.tp_rank, kv_heads=ns.kv_heads,
                       total_kv_heads=ns.total_kv_heads, kv_layer_ids=layer_ids, pp_size=ns.pp_size,
-                      pp_rank=ns.pp_rank)
+                      pp_rank=ns.pp_rank, head_order=ns.head_order, num_layers=ns.num_layers)
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader()
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -202,6 +215,8 @@ def main() -> None:
     p.add_argument("--dtype", default="uint8", help="the KV dtype this peer declares")
     p.add_argument("--scale-item-len", type=int, default=0, help="bytes per page of per-page scale buffers")
     p.add_argument("--layout", default="layer_first")
+    p.add_argument("--head-order", default="NHD")
+    p.add_argument("--num-layers", type=int, default=0)
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--tp-rank", type=int, default=0)
     p.add_argument("--pp-size", type=int, default=1)

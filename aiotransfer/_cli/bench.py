@@ -482,10 +482,13 @@ def _table(res: dict[str, Any]) -> str:
 # arguments / entry points
 # ----------------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--suite", choices=("default", "full", "lifecycle", "streaming", "vllm"), default="default",
+    p.add_argument("--suite", choices=("default", "full", "lifecycle", "streaming", "conversion", "vllm"),
+                   default="default",
                    help="default: figures (a)-(c) of raw Mooncake vs aiotransfer; full: the performance suite "
                         "(throughput vs size, scattered, loop-lag CDF, concurrency, 4 KiB latency, send_aux by "
                         "path, TP 4->2, engines), JSON + PNG plots; lifecycle: abort -> released() latency; "
+                        "streaming: layer streaming's exposed transfer time; conversion: page-size and layout "
+                        "conversion throughput against plain staging; "
                         "vllm: PD through AiotransferConnector vs vLLM's NixlConnector (run with the vLLM "
                         "venv's Python: bash scripts/vllm-venv.sh)")
     p.add_argument("--engine", default="mooncake_tcp", help="Mooncake flavour (default mooncake_tcp)")
@@ -534,6 +537,10 @@ def run(ns: argparse.Namespace) -> int:
         from .streaming import run_streaming
 
         return run_streaming(ns)
+    if getattr(ns, "suite", "default") == "conversion":
+        from .conversion import run_conversion
+
+        return run_conversion(ns)
     if getattr(ns, "suite", "default") == "vllm":
         from .vllm.bench import from_bench_cli
 

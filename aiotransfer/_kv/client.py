@@ -82,7 +82,7 @@ class PrefillClient:
     # -- one room -----------------------------------------------------------------------------------
     async def route(
         self, room: int, peer: str, prefill_dp_rank: int | None, pages: np.ndarray, aux_index: int | None,
-        states: dict[str, list[int]], deadline: Deadline,
+        states: dict[str, list[int]], deadline: Deadline, num_tokens: int = -1,
     ) -> Route:
         """Resolve the topology, register with every prefill rank involved, and build their requests."""
         ctx = self._ctx
@@ -115,7 +115,7 @@ class PrefillClient:
                 kv_indices=b"" if t.is_dummy else packed,
                 aux_index=-1 if (aux_index is None or t.is_dummy) else aux_index,
                 state_indices={} if t.is_dummy else states,
-                required_dst_info_num=mapping.required_dst_info_num, is_dummy=t.is_dummy,
+                required_dst_info_num=mapping.required_dst_info_num, is_dummy=t.is_dummy, num_tokens=num_tokens,
             ))
             for t, ep in zip(mapping.targets, endpoints, strict=True)
         ]
@@ -185,7 +185,7 @@ class PrefillClient:
             kv_heads=a.kv_heads, total_kv_heads=a.total_kv_heads, page_size=a.page_size, cp_size=a.cp_size,
             cp_rank=a.cp_rank, outer=a.outer,
             staging=BufferSpec(arena.ptr, arena.nbytes, 1) if arena is not None else None,
-            dtype=a.dtype, kv_device=a.kv_device,
+            dtype=a.dtype, kv_device=a.kv_device, head_order=a.head_order, num_layers=a.num_layers,
         )
 
     # -- topology -----------------------------------------------------------------------------------

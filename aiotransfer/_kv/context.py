@@ -27,6 +27,7 @@ from ..aux_state import StateType, select_aux_path
 from ..config import AuxPath, TransferConfig, aux_tcp_forced
 from ..control.endpoint import ControlPlane
 from ..control.messages import Message
+from ..convert import PageGeometry, plane_views
 from ..engines.base import MemoryRegion, TransferEngine
 from ..errors import (
     AiotransferError,
@@ -71,6 +72,14 @@ class RankContext:
         host_kv = all(b.device == "cpu" for b in args.kv)
         self.kv_views: list[np.ndarray] | None = [host_view(b.ptr, b.nbytes) for b in args.kv] if host_kv else None
         """Writable host views of the KV buffers (None when any KV buffer lives on a device)."""
+        geo = args.page_geometry()
+        self.page_geometry: PageGeometry | None = None if isinstance(geo, str) else geo
+        """How our pages hold tokens (None when ``KVArgs`` does not say enough to convert them)."""
+        self.planes: list[np.ndarray] | None = None
+        """Per (K or V, layer): our pages as (page, token, head, byte) views, for converted transfers."""
+        if self.page_geometry is not None and self.kv_views is not None:
+            with contextlib.suppress(InvalidArgument):
+                self.planes = plane_views(self.kv_views, self.page_geometry)
         self.arena: StagingArena | None = None
         if config.staging_bytes and host_kv and config.staging != "never":
             self.arena = StagingArena(config.staging_bytes)

@@ -9,6 +9,8 @@ from collections.abc import Callable, Mapping
 
 from ..control.messages import Abort, AuxData, Drained, Status
 from ..integrity import fold, region_crcs
+from ..layout import units_per_page
+from ..plan import units_of
 from ..receiver import KVReceiver
 from ..staging import RowSlice
 from ..status import KVPoll
@@ -66,15 +68,22 @@ class DecodeSide:
         kv, views, pages = ctx.args.kv, ctx.kv_views, rx.pages
         if views is None or pages is None or len(f) % 6 or not f:
             return "checksum received but cannot be verified here"
-        slices, regions, counts = [], [], []
+        slices, regions, counts, ks = [], [], [], set()
         for i in range(0, len(f), 6):
             rows, heads, start, count, hb, b = f[i : i + 6]
-            if not 0 <= b < len(kv) or kv[b].item_len != rows * heads * hb or start + count > heads:
+            k = units_per_page(kv[b].item_len, ctx.args.page_size, ctx.args.outer, rows * heads * hb) if (
+                0 <= b < len(kv)) else None
+            if k is None or start + count > heads:
                 return "checksum geometry does not match our buffers"
+            ks.add(k)
             slices.append(RowSlice(rows, heads, start, count, hb))
             regions.append(views[b])
-            counts.append(kv[b].num_items)
-        crcs = await ctx.offload.run(region_crcs, regions, counts, pages, slices,
+            counts.append(kv[b].num_items * k)
+        if len(ks) != 1:
+            return "checksum geometry does not match our buffers"
+        k = ks.pop()  # units per page: the room's tokens, in the units the prefill wrote
+        units = units_of(pages, k)[: -(-rx.num_tokens // (ctx.args.page_size // k))]
+        crcs = await ctx.offload.run(region_crcs, regions, counts, units, slices,
                                      timeout=ctx.config.transfer_timeout, what="checksum verify")
         got = fold(crcs)
         if got != msg.checksum:

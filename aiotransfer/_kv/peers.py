@@ -31,6 +31,9 @@ class DecodePeer:
     dst_bases: np.ndarray
     """Remote bases, in the order of ``pairing.src``."""
     dst_item_lens: np.ndarray
+    """Bytes of one of the peer's pages (units, when the page sizes differ), in the order of ``pairing.dst``."""
+    src_item_lens: np.ndarray
+    """Bytes of one of our pages (units), in the order of ``pairing.src``."""
     staging: BufferSpec | None = None
     few: tuple[list[int], list[int], list[int]] | None = None
     """(source bases, destination bases, item lengths) as ints, for :func:`plan_runs` (built on first use)."""
@@ -55,7 +58,9 @@ class DecodePeer:
             num_pages=min((b.nbytes // b.item_len for b in hello.kv), default=0),
             aux_slots=min((b.nbytes // b.item_len for b in hello.aux), default=0),
             aux_bases=np.array([b.ptr for b in hello.aux], dtype=np.uint64),
-            state=state, pairing=pairing, dst_bases=kv_bases[pairing.dst], dst_item_lens=item_lens[pairing.dst],
+            state=state, pairing=pairing, dst_bases=kv_bases[pairing.dst],
+            dst_item_lens=np.array(pairing.dst_unit_lens, dtype=np.uint64),
+            src_item_lens=np.array(pairing.unit_lens, dtype=np.uint64),
             staging=hello.staging,
         )
 

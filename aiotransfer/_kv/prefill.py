@@ -17,12 +17,14 @@ import numpy as np
 
 from ..aux_state import StateType
 from ..control.messages import PROTOCOL_VERSION, Abort, Hello, HelloAck, TransferRequest, unpack_indices
+from ..convert import PageGeometry, check_convertible
 from ..errors import AiotransferError, EngineError, InvalidArgument, ProtocolError, TransferTimeout
 from ..layout import KVPairing, RankGeometry, pair_buffers
 from ..plan import check_range, check_unique
 from ..receiver import decode_reason
 from ..sender import KVSender
 from ..status import KVPoll
+from ..topology import head_slice
 from .context import RankContext
 from .notify import Notifier
 from .peers import DecodePeer, PendingRequests, Stashed
@@ -71,14 +73,10 @@ class PrefillSide:
         ctx, a = self._ctx, self._ctx.args
         if hello.engine != ctx.engine_name:
             return f"engine mismatch: peer uses {hello.engine!r}, we use {ctx.config.engine!r}"
-        if hello.layout != a.layout:
-            return f"layout mismatch: peer {hello.layout!r}, ours {a.layout!r}"
-        if hello.page_size != a.page_size:
-            return f"page size mismatch: peer {hello.page_size}, ours {a.page_size}"
         if hello.dtype and hello.dtype != a.dtype:
             return f"KV dtype mismatch: peer {hello.dtype!r}, ours {a.dtype!r} (moving it would corrupt the cache)"
         if hello.compat != ctx.compat:
-            return f"KV geometry hash mismatch (dtype/layout/page size): peer {hello.compat}, ours {ctx.compat}"
+            return f"KV geometry hash mismatch (dtype): peer {hello.compat}, ours {ctx.compat}"
         remote = RankGeometry(
             layout=hello.layout, page_size=hello.page_size, item_lens=[b.item_len for b in hello.kv],
             layer_ids=[b.layer_id for b in hello.kv], tp_size=hello.tp_size, tp_rank=hello.tp_rank,
@@ -88,7 +86,12 @@ class PrefillSide:
             a.total_kv_heads and hello.total_kv_heads
         ):
             return "TP sizes differ: both sides must set kv_heads and total_kv_heads for head slicing"
-        pairing = pair_buffers(ctx.geometry, remote)
+        sliced = hello.tp_size != a.tp_size or hello.kv_heads != a.kv_heads
+        if hello.layout != a.layout or hello.head_order != a.head_order or ("HND" in (hello.head_order, a.head_order)
+                                                                          and (hello.page_size != a.page_size or sliced)):
+            pairing = self._stream_pairing(hello)
+        else:
+            pairing = pair_buffers(ctx.geometry, remote)
         if isinstance(pairing, str):
             return pairing
         if hello.aux and a.aux:
@@ -105,6 +108,42 @@ class PrefillSide:
             if theirs != ours:
                 return f"{spec.kind} state buffers mismatch: peer item lengths {theirs}, ours {ours}"
         return pairing
+
+    def _stream_pairing(self, hello: Hello) -> KVPairing | str:
+        """Pages laid out differently on the two sides (layout, head order; head-major pages of another size
+        or another TP split): tokens move as a stream through both staging arenas, converted on the way."""
+        ctx, a = self._ctx, self._ctx.args
+        ours = a.page_geometry()
+        how = f"converting {a.layout}/{a.head_order} pages to the peer's {hello.layout}/{hello.head_order}"
+        if isinstance(ours, str):
+            return f"{how} needs our geometry: {ours}"
+        item = hello.kv[0].item_len if hello.kv else 0
+        per_head = hello.outer * hello.page_size * max(hello.kv_heads, 1)
+        layers = hello.num_layers or (len(hello.kv) if hello.layout == "mla" else len(hello.kv) // 2)
+        if not hello.kv_heads or item % per_head or layers < 1:
+            return f"{how} needs the peer's kv_heads and pages of whole heads"
+        try:
+            theirs = PageGeometry(hello.layout, hello.head_order, hello.page_size, hello.kv_heads, item // per_head,
+                                  layers)
+        except InvalidArgument as exc:
+            return f"{how}: {exc}"
+        if ctx.config.checksum:
+            return f"{how}: checksums cover pages as laid out, so a converted peer cannot be checked (checksum off)"
+        if ctx.arena is None or hello.staging is None:
+            side = "ours" if ctx.arena is None else "the peer's"
+            return f"{how} needs a staging arena on both sides ({side} is off)"
+        heads = None
+        if hello.tp_size != a.tp_size or hello.kv_heads != a.kv_heads:
+            if not (a.total_kv_heads and hello.total_kv_heads) or a.total_kv_heads != hello.total_kv_heads:
+                return f"{how} across TP sizes needs the same total_kv_heads on both sides"
+            heads = head_slice(a.tp_rank, a.tp_size, hello.tp_rank, hello.tp_size, a.total_kv_heads)
+            if heads is None:
+                return f"TP rank {a.tp_rank}/{a.tp_size} holds none of the heads of {hello.tp_rank}/{hello.tp_size}"
+        reason = check_convertible(ours, theirs)
+        if reason is not None:
+            return f"{how}: {reason}"
+        empty = np.empty(0, dtype=np.int64)
+        return KVPairing(empty, empty, heads, 0, ours.head_bytes, ours.page_size, theirs.page_size, stream=True)
 
     async def _answer_hello(self, hello: Hello) -> None:
         ctx = self._ctx

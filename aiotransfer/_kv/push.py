@@ -72,7 +72,7 @@ def row_slices(ctx: RankContext, peer: DecodePeer) -> tuple[list[RowSlice], list
     """Per paired buffer: the (source, destination) row slice that moves."""
     pairing = peer.pairing
     if pairing.heads is None:
-        src = [RowSlice(1, 1, 0, 1, ctx.args.kv[i].item_len) for i in pairing.src]
+        src = [RowSlice(1, 1, 0, 1, n) for n in pairing.unit_lens]
         return src, src
     hs = pairing.heads
     rows, hb = pairing.rows_per_page, pairing.head_bytes
@@ -129,7 +129,7 @@ class Pusher:
             few = peer.few
             if few is None:
                 few = peer.few = (
-                    ctx.kv_bases[pairing.src].tolist(), peer.dst_bases.tolist(), ctx.kv_item_lens[pairing.src].tolist(),
+                    ctx.kv_bases[pairing.src].tolist(), peer.dst_bases.tolist(), list(pairing.unit_lens),
                 )
             if positions is None:
                 return plan_runs(few[0], few[1], few[2], runs)
@@ -143,7 +143,7 @@ class Pusher:
         dst_bases = peer.dst_bases if positions is None else peer.dst_bases[positions]
         dst_lens = peer.dst_item_lens if positions is None else peer.dst_item_lens[positions]
         src_bases = ctx.kv_bases[local]
-        src_lens = ctx.kv_item_lens[local]
+        src_lens = peer.src_item_lens if positions is None else peer.src_item_lens[positions]
         if pairing.heads is None:
             return plan_blocks(src_bases, dst_bases, src_lens, src, dst)
         hs = pairing.heads
@@ -168,7 +168,7 @@ class Pusher:
         nbuf = int(pairing.src.size)
         if mode == "auto" and pairing.heads is None and int(src.size) * nbuf <= 8:
             return None  # a handful of entries: staging's copies and round trips cannot pay off
-        src_lens = {int(ctx.args.kv[i].item_len) for i in pairing.src}
+        src_lens = set(pairing.unit_lens)
         dst_lens = {int(x) for x in peer.dst_item_lens}
         if len(src_lens) != 1 or len(dst_lens) != 1 or src.size == 0:
             return None
@@ -207,6 +207,10 @@ class Pusher:
         that may touch the pages (engine handles, worker-thread copies) until it is over."""
         ctx = self._ctx
         pairing = peer.pairing
+        if pairing.stream:  # units are tokens: ours and the peer's token slots, ``dst_start`` the first token
+            size = pairing.src_units
+            await self.staging.write_tokens(room, peer, src[::size] // size, int(src.size), dst_start, deadline, hold)
+            return
         runs = pair_runs(src.tolist(), dst.tolist()) if pairing.heads is None and src.size <= _FEW_PAGES else None
         slices = self._staging_slices(peer, src, dst, runs)
         if slices is not None:
@@ -230,7 +234,7 @@ class Pusher:
         """Whether a chunk to ``peer`` can move layer by layer as direct entries (not when the buffers'
         layers are unknown, when pages hold every layer (page-first layouts), or when heads are sliced)."""
         return (self._owners is not None and self._ctx.args.layout in ("layer_first", "mla")
-                and peer.pairing.heads is None)
+                and peer.pairing.heads is None and not peer.pairing.stream)
 
     def _layer_positions(self, peer: DecodePeer, layers: frozenset[int]) -> np.ndarray:
         """The paired buffers (indices into ``peer.pairing``) holding ``layers``."""
@@ -338,7 +342,7 @@ class Pusher:
             acc = self._checksums[key] = RoomChecksum(row_slices(ctx, peer)[0])
         idx = peer.pairing.src
         views = [ctx.kv_views[i] for i in idx]
-        counts = [ctx.args.kv[i].num_items for i in idx]
+        counts = [ctx.args.kv[i].num_items * peer.pairing.src_units for i in idx]
         await ctx.offload.run(acc.add, views, counts, src, timeout=deadline.remaining(), what="checksum",
                               on_done=hold() if hold is not None else None)
 

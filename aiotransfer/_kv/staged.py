@@ -19,8 +19,10 @@ from .._deadline import Deadline
 from .._poller import Hold
 from ..control.messages import Staged, StagedAck, StageGrant, StageRequest
 from ..control.rendezvous import Rendezvous
+from ..convert import gather_tokens, scatter_tokens
 from ..errors import AiotransferError, InvalidArgument, TransferFailed, TransferTimeout
-from ..plan import Blocks
+from ..layout import units_per_page
+from ..plan import Blocks, units_of
 from ..staging import RowSlice, StagingArena, gather_pages, scatter_pages
 from .context import RankContext, engine_failures
 from .ledger import joint
@@ -86,16 +88,16 @@ class StagingWriter:
         copies are CPU-bound), its decode-side space asked for while it runs; writes in flight as long as
         our arena has room; the decode's scatter and ack overlap the next pieces."""
         ctx = self._ctx
-        arena, views, remote = ctx.arena, ctx.kv_views, peer.staging
-        assert arena is not None and views is not None and remote is not None
+        views = ctx.kv_views
+        assert views is not None
         s_sl, d_sl = slices
         pairing = peer.pairing
         src_views = [views[i] for i in pairing.src]
-        num_pages = [ctx.args.kv[i].num_items for i in pairing.src]
-        per_page = s_sl.bytes_per_page * len(src_views)
-        step = piece_pages(per_page, arena.nbytes, remote.nbytes)
-        gathering = asyncio.Lock()
+        num_pages = [ctx.args.kv[i].num_items * pairing.src_units for i in pairing.src]
         dst_buffers = [int(j) for j in pairing.dst]
+
+        def gather(a: int, b: int, out: np.ndarray) -> None:
+            gather_pages(src_views, num_pages, src[a:b], s_sl, out)
 
         def staged_msg(grant: StageGrant, a: int, b: int, nbytes: int) -> Staged:
             return Staged(
@@ -104,8 +106,51 @@ class StagingWriter:
                 count=d_sl.count, head_bytes=d_sl.head_bytes, buffers=dst_buffers,
             )
 
+        await self._pieces(room, peer, int(src.size), s_sl.bytes_per_page * len(src_views), gather, staged_msg,
+                           deadline, hold)
+
+    async def write_tokens(
+        self, room: int, peer: DecodePeer, pages: np.ndarray, tokens: int, first: int, deadline: Deadline,
+        hold: Hold | None = None,
+    ) -> None:
+        """Stream ``tokens`` tokens held by our ``pages`` (from their first row) to the room's tokens from
+        ``first`` on: gathered with our geometry, scattered by the decode with its own."""
+        ctx = self._ctx
+        planes = ctx.planes
+        pairing = peer.pairing
+        hs = pairing.heads
+        geo = ctx.page_geometry
+        assert planes is not None and geo is not None
+        src_start, dst_start, count = (0, 0, geo.heads) if hs is None else (hs.src_start, hs.dst_start, hs.count)
+        dst_heads = geo.heads if hs is None else hs.dst_heads
+        size = pairing.src_units
+
+        def gather(a: int, b: int, out: np.ndarray) -> None:
+            gather_tokens(planes, pages, size, a, b, src_start, count, out)
+
+        def staged_msg(grant: StageGrant, a: int, b: int, nbytes: int) -> Staged:
+            return Staged(
+                room=room, endpoint=ctx.endpoint, req_id=grant.req_id, offset=grant.offset, nbytes=nbytes,
+                dst_start=first + a, n_pages=b - a, rows=1, heads=dst_heads, start=dst_start, count=count,
+                head_bytes=pairing.head_bytes, buffers=[], stream=True,
+            )
+
+        await self._pieces(room, peer, tokens, len(planes) * count * pairing.head_bytes, gather, staged_msg,
+                           deadline, hold)
+
+    async def _pieces(
+        self, room: int, peer: DecodePeer, total: int, per_item: int, gather: Callable[[int, int, np.ndarray], None],
+        staged_msg: Callable[[StageGrant, int, int, int], Staged], deadline: Deadline, hold: Hold | None,
+    ) -> None:
+        """Items ``[0, total)`` (pages or tokens) of ``per_item`` bytes each, piece by piece."""
+        ctx = self._ctx
+        arena, remote = ctx.arena, peer.staging
+        assert arena is not None and remote is not None
+        step = piece_pages(per_item, arena.nbytes, remote.nbytes)
+        gathering = asyncio.Lock()
+
         async def piece(a: int, b: int) -> None:
-            nbytes = (b - a) * per_page
+            nbytes = (b - a) * per_item
             posted = False
             granting: asyncio.Future[Any] | None = None
             lease: _Lease | None = None
@@ -118,7 +163,7 @@ class StagingWriter:
                     ))
                     out = arena.view[lease.off : lease.off + nbytes]
                     try:
-                        await ctx.offload.run(gather_pages, src_views, num_pages, src[a:b], s_sl, out,
+                        await ctx.offload.run(gather, a, b, out,
                                               timeout=deadline.remaining(), what="staging gather",
                                               on_done=joint(hold, lease.lend)())
                     except AiotransferError:
@@ -152,7 +197,6 @@ class StagingWriter:
             ctx.counters["kv_entries_sent"] += 1
             ctx.counters["staged_pieces"] += 1
 
-        total = int(src.size)
         tasks = [asyncio.ensure_future(piece(a, min(a + step, total))) for a in range(0, total, step)]
         try:
             await asyncio.gather(*tasks)
@@ -207,6 +251,9 @@ class StagingRoom(Protocol):
 
     @property
     def pages(self) -> np.ndarray | None: ...
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 class StagingGrantor:
@@ -272,41 +319,99 @@ class StagingGrantor:
             ctx.counters["staging_space_returned"] += 1
             ctx.spawn(ctx.reply(msg.endpoint, StagedAck(room=msg.room, req_id=msg.req_id, ok=True)), "staged-ack")
             return
+        if msg.stream:
+            self._on_stream(msg, room, off, nbytes)
+            return
         rx = self._lookup(msg.room)
         pages = rx.pages if rx is not None else None
         args, views = ctx.args, ctx.kv_views
         reason = None
+        k: int | None = None
         if room != msg.room or off != msg.offset or msg.nbytes > nbytes:
             reason = "staged piece does not match its grant"
         elif pages is None:
             reason = f"room {msg.room} is not open here"
-        elif msg.dst_start + msg.n_pages > pages.size:
-            reason = f"staged pages [{msg.dst_start}, {msg.dst_start + msg.n_pages}) exceed the {pages.size} declared"
         elif any(b >= len(args.kv) for b in msg.buffers) or views is None:
             reason = "staged piece names unknown buffers"
-        elif any(args.kv[b].item_len != msg.rows * msg.heads * msg.head_bytes for b in msg.buffers):
-            reason = "staged row geometry does not match our pages"
-        if reason is not None or pages is None or views is None:
-            arena.release(off, nbytes)
-            ctx.drop("invalid-staged", reason or "")
-            ctx.spawn(ctx.reply(msg.endpoint, StagedAck(room=msg.room, req_id=msg.req_id, ok=False,
-                                                        reason=reason or "")), "staged-nack")
+        else:
+            unit = msg.rows * msg.heads * msg.head_bytes
+            ks = {units_per_page(args.kv[b].item_len, args.page_size, args.outer, unit) for b in msg.buffers}
+            k = ks.pop() if len(ks) == 1 else None
+            if k is None:
+                reason = "staged row geometry does not match our pages"
+            elif msg.dst_start + msg.n_pages > pages.size * k:
+                reason = (f"staged units [{msg.dst_start}, {msg.dst_start + msg.n_pages}) exceed the "
+                          f"{pages.size * k} declared")
+        if reason is not None or pages is None or views is None or k is None:
+            self._refuse(msg, off, nbytes, reason or "")
             return
-        ctx.spawn(self._scatter(msg, pages[msg.dst_start : msg.dst_start + msg.n_pages], views, off, nbytes),
-                  "scatter")
+        first, last = msg.dst_start // k, -(-(msg.dst_start + msg.n_pages) // k)
+        units = units_of(pages[first:last], k)[msg.dst_start - first * k :][: msg.n_pages]
+        ctx.spawn(self._scatter(msg, units, k, views, off, nbytes), "scatter")
 
-    async def _scatter(self, msg: Staged, pages: np.ndarray, views: list[np.ndarray], off: int, nbytes: int) -> None:
+    def _refuse(self, msg: Staged, off: int, nbytes: int, reason: str) -> None:
+        ctx = self._ctx
+        assert ctx.arena is not None
+        ctx.arena.release(off, nbytes)
+        ctx.drop("invalid-staged", reason)
+        ctx.spawn(ctx.reply(msg.endpoint, StagedAck(room=msg.room, req_id=msg.req_id, ok=False, reason=reason)),
+                  "staged-nack")
+
+    def _on_stream(self, msg: Staged, room: int, off: int, nbytes: int) -> None:
+        """A converted piece: tokens of the room, scattered with our own geometry."""
+        ctx = self._ctx
+        rx = self._lookup(msg.room)
+        pages = rx.pages if rx is not None else None
+        planes, geo = ctx.planes, ctx.page_geometry
+        t0, t1 = msg.dst_start, msg.dst_start + msg.n_pages
+        reason = ""
+        if room != msg.room or off != msg.offset or msg.nbytes > nbytes:
+            reason = "staged piece does not match its grant"
+        elif rx is None or pages is None:
+            reason = f"room {msg.room} is not open here"
+        elif planes is None or geo is None:
+            reason = "a converted piece came but our pages cannot be converted into"
+        elif not 0 <= t0 <= t1 <= rx.num_tokens:
+            reason = f"staged tokens [{t0}, {t1}) exceed the {rx.num_tokens} declared"
+        elif (msg.heads != geo.heads or msg.head_bytes != geo.head_bytes or msg.count < 1
+              or msg.start + msg.count > geo.heads):
+            reason = "staged head geometry does not match our pages"
+        elif msg.nbytes != len(planes) * (t1 - t0) * msg.count * msg.head_bytes:
+            reason = "staged piece size does not match its tokens"
+        if reason or pages is None or planes is None or geo is None:
+            self._refuse(msg, off, nbytes, reason)
+            return
+        arena = ctx.arena
+        assert arena is not None
+        src = arena.view[off : off + msg.nbytes]
+
+        async def scatter() -> None:
+            ok, why = True, ""
+            try:
+                await ctx.offload.run(scatter_tokens, planes, pages, geo.page_size, t0, t1, msg.start, msg.count, src,
+                                      timeout=ctx.config.transfer_timeout, what="staging scatter",
+                                      on_done=lambda: arena.release(off, nbytes))
+                ctx.counters["staged_pieces_received"] += 1
+            except Exception as exc:
+                ok, why = False, str(exc) if isinstance(exc, AiotransferError) else f"scatter failed: {exc!r}"
+            await ctx.reply(msg.endpoint, StagedAck(room=msg.room, req_id=msg.req_id, ok=ok, reason=why))
+
+        ctx.spawn(scatter(), "scatter")
+
+    async def _scatter(self, msg: Staged, units: np.ndarray, k: int, views: list[np.ndarray], off: int,
+                       nbytes: int) -> None:
+        """Scatter a piece into ``units`` of our pages (each page ``k`` units; 1 when the page sizes match)."""
         ctx = self._ctx
         arena = ctx.arena
         assert arena is not None
         sl = RowSlice(msg.rows, msg.heads, msg.start, msg.count, msg.head_bytes)
         dst = [views[b] for b in msg.buffers]
-        counts = [ctx.args.kv[b].num_items for b in msg.buffers]
+        counts = [ctx.args.kv[b].num_items * k for b in msg.buffers]
         src = arena.view[off : off + msg.nbytes]
         ok, reason = True, ""
         try:
             # the granted space is freed once the scatter's thread is done reading it, not when we stop waiting
-            await ctx.offload.run(scatter_pages, dst, counts, pages, sl, src, timeout=ctx.config.transfer_timeout,
+            await ctx.offload.run(scatter_pages, dst, counts, units, sl, src, timeout=ctx.config.transfer_timeout,
                                   what="staging scatter", on_done=lambda: arena.release(off, nbytes))
             ctx.counters["staged_pieces_received"] += 1
         except Exception as exc:  # the prefill learns why instead of waiting for an ack that never comes

@@ -93,6 +93,9 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     """The KV cache dtype (empty from peers that do not declare it)."""
     kv_device: str = "cpu"
     """Where the KV buffers live (``cpu``, ``cuda:0``...)."""
+    head_order: str = "NHD"
+    """Inside a page: token-major (``NHD``) or head-major (``HND``)."""
+    num_layers: int = 0
 
 
 class HelloAck(msgspec.Struct, tag="hello_ack", frozen=True):
@@ -119,6 +122,8 @@ class TransferRequest(msgspec.Struct, tag="req", frozen=True):
     state_indices: dict[str, list[int]] = {}
     required_dst_info_num: int = 1
     is_dummy: bool = False
+    num_tokens: int = -1
+    """Tokens the room holds (-1: every declared page full); the prefill maps them onto its own pages."""
 
 
 class Status(msgspec.Struct, tag="status", frozen=True):
@@ -235,6 +240,10 @@ class Staged(msgspec.Struct, tag="staged", frozen=True):
     count: int
     head_bytes: int
     buffers: list[int]
+    stream: bool = False
+    """A converted piece: tokens ``[dst_start, dst_start + n_pages)`` of the room, laid out (plane, token,
+    head, byte) with heads ``[start, start+count)`` of ``heads``; the decode scatters it with its own
+    geometry (every plane, ``buffers`` empty)."""
 
 
 class StagedAck(msgspec.Struct, tag="staged_ack", frozen=True):
@@ -362,8 +371,10 @@ def validate(msg: Message) -> None:
         _check(msg.offset >= 0 and msg.nbytes > 0 and msg.dst_start >= 0 and msg.n_pages > 0, "bad staged piece")
         _check(msg.rows > 0 and msg.heads > 0 and msg.count > 0 and msg.head_bytes > 0, "bad staged geometry")
         _check(0 <= msg.start and msg.start + msg.count <= msg.heads, "bad staged head range")
-        _check(0 < len(msg.buffers) <= _MAX_LIST and all(b >= 0 for b in msg.buffers), "bad staged buffers")
-        _check(msg.nbytes == len(msg.buffers) * msg.n_pages * msg.rows * msg.count * msg.head_bytes,
+        _check((not msg.buffers if msg.stream else 0 < len(msg.buffers) <= _MAX_LIST)
+               and all(b >= 0 for b in msg.buffers), "bad staged buffers")
+        per_buffer = msg.n_pages * msg.rows * msg.count * msg.head_bytes  # a stream: per plane, checked on scatter
+        _check(msg.nbytes % per_buffer == 0 if msg.stream else msg.nbytes == len(msg.buffers) * per_buffer,
                "staged size does not match its geometry")
     elif isinstance(msg, (RankRegister, TopologyQuery, Topology)):
         _check(msg.version == PROTOCOL_VERSION, f"protocol version {msg.version} != {PROTOCOL_VERSION}")

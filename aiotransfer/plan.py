@@ -27,6 +27,7 @@ __all__ = [
     "page_runs",
     "pair_runs",
     "plan_blocks",
+    "plan_coalesced",
     "plan_few",
     "plan_head_slices",
     "plan_runs",
@@ -267,7 +268,15 @@ def plan_blocks(
         return _empty_blocks()
     _check_address_space(sb, il, sp, what="source")
     _check_address_space(db, il, dp, what="destination")
+    return plan_coalesced(sb, db, il, (s0, d0, n))
 
+
+def plan_coalesced(sb: AddrArray, db: AddrArray, il: AddrArray, runs: tuple[IndexArray, IndexArray, IndexArray]) -> Blocks:
+    """:func:`plan_blocks` from runs already found by :func:`coalesce_runs` (a chunk planned once, sent
+    buffer by buffer). Inputs are trusted: uint64 per-buffer arrays validated by the caller."""
+    s0, d0, n = runs
+    if il.size == 0 or n.size == 0:
+        return _empty_blocks()
     # (buffers, runs) grids, raveled in C order = buffer-major.
     col = il[:, None]
     src = np.multiply(col, s0.astype(np.uint64))

@@ -86,6 +86,24 @@ async def test_layers_sent_concurrently_conclude_only_after_all_of_them_landed(e
         assert (await decode.call("digest", pages=dst))["digest"] == expected_digest(bufs, src)
 
 
+async def test_layers_that_queue_up_are_posted_as_one_write(engine: str, decode: RemotePeer) -> None:
+    """Layers sent in the same loop iteration (hooks that queued up) go out as one engine write; a layer
+    sent alone gets a write of its own."""
+    async with streamed_room(engine, decode, 8, 60, seed=4) as (mgr, tx, bufs, src, dst):
+        first = tx.stream(src[:30], last=False)
+        await asyncio.gather(*(first.send_layers(layer) for layer in (0, 1)))
+        stats = mgr.stats()
+        assert (stats["layer_writes"], stats["layer_calls_batched"]) == (1, 1)
+        last = tx.stream(src[30:])
+        await last.send_layers(0)
+        await last.send_layers(1)
+        stats = mgr.stats()
+        assert (stats["layer_writes"], stats["layer_calls_batched"]) == (3, 1)
+        await tx.done(timeout=10)
+        assert (await decode.call("done", room=8))["status"] == "Success"
+        assert (await decode.call("digest", pages=dst))["digest"] == expected_digest(bufs, src)
+
+
 async def test_bad_stream_calls_are_refused_before_any_byte_moves(engine: str, decode: RemotePeer) -> None:
     async with streamed_room(engine, decode, 2, 40) as (mgr, tx, bufs, src, dst):
         stream = tx.stream(src[:20], last=False)
@@ -169,3 +187,4 @@ def test_streaming_bench_quick_runs_and_reports_both_modes(tmp_path: Path) -> No
     assert size["bytes"] == 128 << 20
     assert size["exposed_after_compute_ms"] > 0 and size["exposed_streamed_ms"] > 0
     assert "exposed transfer after compute" in proc.stdout
+    assert set(result["call_cpu_us"]) == {"queued", "alone"} and min(result["call_cpu_us"].values()) > 0

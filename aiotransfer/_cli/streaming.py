@@ -93,6 +93,30 @@ async def _room(mgr: KVManager, child: Child, room: int, tokens: int, streamed: 
     return {"exposed_ms": exposed * 1e3, "loop_cpu_us_per_call": cpu * 1e6 / LAYERS if streamed else float("nan")}
 
 
+async def _per_call(mgr: KVManager, child: Child, room: int, queued: bool) -> float:
+    """Loop CPU per ``send_layers`` call for small layers (one 16-token page: 64 KiB a layer): 8 chunks of a
+    room, each chunk's 32 layers sent together (``queued``: hooks that queued up, in flight at once) or one
+    after the other (each awaited before the next), the engine's completions included."""
+    chunks = 8
+    tx = mgr.sender(room)
+    await child.channel.send({"cmd": "open", "room": room, "pages": chunks, "peer": mgr.endpoint})
+    await tx.wait_ready(timeout=30)
+    cpu0 = time.thread_time()
+    for chunk in range(chunks):
+        stream = tx.stream([chunk], last=chunk == chunks - 1)
+        if queued:
+            await asyncio.gather(*(stream.send_layers(layer) for layer in range(LAYERS)))
+        else:
+            for layer in range(LAYERS):
+                await stream.send_layers(layer)
+    cpu = time.thread_time() - cpu0
+    await tx.done(timeout=60)
+    reply = await child.expect("ok", 60)
+    if not reply.get("bytes_ok"):
+        raise RuntimeError(f"room {room}: the decode's bytes differ")
+    return cpu * 1e6 / (chunks * LAYERS)
+
+
 async def _engine(engine: str, sizes: list[int], repeats: int) -> dict[str, Any]:
     pages = max(sizes) // PAGE_TOKENS
     child = await Child.spawn("aiotransfer._cli.streaming", ["--engine", engine, "--pages", str(pages)])
@@ -120,6 +144,14 @@ async def _engine(engine: str, sizes: list[int], repeats: int) -> dict[str, Any]
                     "streamed_over_after": streamed / after,
                     "loop_cpu_us_per_call": statistics.median(r["loop_cpu_us_per_call"] for r in runs["streamed"]),
                 }
+            calls: dict[str, list[float]] = {"queued": [], "alone": []}
+            await _per_call(mgr, child, room, queued=True)  # warm-up
+            room += 1
+            for _ in range(repeats):
+                for mode in ("queued", "alone"):
+                    calls[mode].append(await _per_call(mgr, child, room, queued=mode == "queued"))
+                    room += 1
+            out["call_cpu_us"] = {mode: statistics.median(v) for mode, v in calls.items()}
         out["endpoint"] = ready["endpoint"]
     finally:
         await child.close()
@@ -144,6 +176,9 @@ def run_streaming(ns: argparse.Namespace) -> int:
                   f"({r['streamed_over_after']:.2f} of it; {r['streamed_over_one_layer']:.1f} x one layer's "
                   f"{r['one_layer_ms']:.2f} ms); loop CPU per send_layers "
                   f"{r['loop_cpu_us_per_call']:.0f} us")
+        c = res["call_cpu_us"]
+        print(f"{engine:13s} small layers (64 KiB): loop CPU per send_layers call {c['queued']:.0f} us when a "
+              f"chunk's layers queue up together, {c['alone']:.0f} us one at a time")
     if ns.out:
         os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)
         with open(ns.out, "w") as f:

@@ -7,6 +7,7 @@ either the direct engine entries or the staging slices. ``send_kv`` uses it, and
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import logging
 import time
@@ -20,9 +21,20 @@ from .._poller import Hold
 from ..args import Buffer
 from ..config import AuxPath
 from ..control.messages import AuxData
-from ..errors import EngineError, InvalidArgument, TransferFailed, TransferTimeout
+from ..errors import ClosedError, EngineError, InvalidArgument, TransferFailed, TransferTimeout
 from ..integrity import RoomChecksum
-from ..plan import Blocks, as_index_array, check_range, pair_runs, plan_blocks, plan_head_slices, plan_runs
+from ..plan import (
+    Blocks,
+    IndexArray,
+    as_index_array,
+    check_range,
+    coalesce_runs,
+    pair_runs,
+    plan_blocks,
+    plan_coalesced,
+    plan_head_slices,
+    plan_runs,
+)
 from ..staging import RowSlice, choose_staging
 from .context import RankContext, annotate, engine_failures
 from .peers import DecodePeer
@@ -31,6 +43,9 @@ from .staged import StagingWriter, piece_pages
 __all__ = ["Pusher", "TransferPlan", "row_slices"]
 
 log = logging.getLogger("aiotransfer.manager")
+
+Runs = tuple[IndexArray, IndexArray, IndexArray]
+"""A chunk's runs: :func:`coalesce_runs`'s (source starts, destination starts, lengths)."""
 
 _PLAN_OFFLOAD_ENTRIES = 1 << 16
 """Plans larger than this many (page x buffer) pairs are computed on the offload thread."""
@@ -90,7 +105,9 @@ class Pusher:
         self._checksums: dict[tuple[int, str], RoomChecksum] = {}
         self._aux_fallback_logged = False
         self._owners = ctx.args.buffer_layers()
-        self._streamed: dict[tuple[int, str, int], tuple[list[list[int]] | None, bool]] = {}
+        self._batches: dict[tuple[int, str, int], _LayerBatch] = {}
+        """Layers of a chunk waiting to be posted together (per room, decode rank, first destination slot)."""
+        self._streamed: dict[tuple[int, str, int], tuple[list[list[int]] | None, bool, Runs | None]] = {}
         """Chunks being streamed, per (room, decode rank, first destination slot): page runs, and whether
         layers move apart (direct) or the chunk moves whole with its last layer."""
 
@@ -112,6 +129,9 @@ class Pusher:
     def plan_checked(self, peer: DecodePeer, src_pages: object, dst_pages: object, *,
                      staging: bool | None = None) -> TransferPlan:
         """:meth:`plan` for caller-supplied indices, checked first."""
+        if peer.pairing.converts_pages or peer.pairing.stream:
+            raise InvalidArgument(f"{peer.endpoint} pages differently (page size or layout): plans are per page of "
+                                  "the same geometry")
         src = as_index_array(src_pages, what="src_pages")
         dst = as_index_array(dst_pages, what="dst_pages")
         check_range(src, self._ctx.args.num_pages, what="src_pages")
@@ -121,8 +141,9 @@ class Pusher:
         return self.plan(peer, src, dst, staging=staging)
 
     def _blocks(self, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, runs: list[list[int]] | None = None,
-                positions: np.ndarray | None = None) -> Blocks:
-        """Direct entries; ``positions``: only these paired buffers (indices into the pairing)."""
+                positions: np.ndarray | None = None, coalesced: Runs | None = None) -> Blocks:
+        """Direct entries; ``positions``: only these paired buffers (indices into the pairing); ``coalesced``:
+        the chunk's runs from :func:`coalesce_runs`, when already known."""
         ctx, pairing = self._ctx, peer.pairing
         count = int(pairing.src.size) if positions is None else int(positions.size)
         if runs is not None and pairing.heads is None and len(runs) * count <= _FEW_ENTRIES:
@@ -135,9 +156,10 @@ class Pusher:
                 return plan_runs(few[0], few[1], few[2], runs)
             pick = positions.tolist()
             return plan_runs([few[0][i] for i in pick], [few[1][i] for i in pick], [few[2][i] for i in pick], runs)
-        return self._blocks_of(peer, src, dst, positions)
+        return self._blocks_of(peer, src, dst, positions, coalesced)
 
-    def _blocks_of(self, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, positions: np.ndarray | None) -> Blocks:
+    def _blocks_of(self, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, positions: np.ndarray | None,
+                   coalesced: Runs | None = None) -> Blocks:
         ctx, pairing = self._ctx, peer.pairing
         local = pairing.src if positions is None else pairing.src[positions]
         dst_bases = peer.dst_bases if positions is None else peer.dst_bases[positions]
@@ -145,6 +167,8 @@ class Pusher:
         src_bases = ctx.kv_bases[local]
         src_lens = peer.src_item_lens if positions is None else peer.src_item_lens[positions]
         if pairing.heads is None:
+            if coalesced is not None:
+                return plan_coalesced(src_bases, dst_bases, src_lens, coalesced)
             return plan_blocks(src_bases, dst_bases, src_lens, src, dst)
         hs = pairing.heads
         return plan_head_slices(
@@ -254,8 +278,8 @@ class Pusher:
         if chunk is None:  # once per chunk and decode rank: its page runs, and whether layers move apart
             runs = pair_runs(src.tolist(), dst.tolist()) if peer.pairing.heads is None and src.size <= _FEW_PAGES else None
             apart = self._by_layer(peer) and self._staging_slices(peer, src, dst, runs) is None
-            chunk = self._streamed[key] = (runs, apart)
-        runs, apart = chunk
+            chunk = self._streamed[key] = (runs, apart, coalesce_runs(src, dst) if apart else None)
+        runs, apart, coalesced = chunk
         if complete:
             del self._streamed[key]
         if not apart:
@@ -264,13 +288,42 @@ class Pusher:
             return
         positions = self._layer_positions(peer, layers)
         if positions.size:
+            batch = self._batches.get(key)
+            if batch is None:  # the first layer of this loop iteration: later ones join it until it is posted
+                batch = self._batches[key] = _LayerBatch(deadline)
+                asyncio.get_running_loop().call_soon(self._post_layers, key, batch, room, peer, src, dst,
+                                                     (runs, coalesced), hold)
+            done = batch.join(positions, deadline)
             with engine_failures(room, peer.endpoint, "engine transfer"):
-                blocks = self._blocks(peer, src, dst, runs, positions=positions)
-                await ctx.poller.write(peer.session_id, blocks, timeout=deadline.remaining(), hold=hold)
-            ctx.counters["kv_bytes_sent"] += blocks.nbytes
-            ctx.counters["kv_entries_sent"] += len(blocks)
+                await done
         if complete and ctx.config.checksum:
             await self._checksum_add(peer, room, src, deadline, hold)
+
+    def _post_layers(self, key: tuple[int, str, int], batch: _LayerBatch, room: int, peer: DecodePeer,
+                     src: np.ndarray, dst: np.ndarray, plans: tuple[list[list[int]] | None, Runs | None],
+                     hold: Hold | None) -> None:
+        """Post the layers that queued up for one chunk and decode rank as one engine write."""
+        if self._batches.get(key) is batch:
+            del self._batches[key]
+        ctx = self._ctx
+        positions = batch.positions[0] if len(batch.positions) == 1 else np.sort(np.concatenate(batch.positions))
+
+        async def post() -> None:
+            try:
+                blocks = self._blocks(peer, src, dst, plans[0], positions=positions, coalesced=plans[1])
+                await ctx.poller.write(peer.session_id, blocks, timeout=batch.deadline.remaining(), hold=hold)
+            except Exception as exc:  # every caller of the batch raises it (and fails the room)
+                batch.settle(exc)
+                return
+            ctx.counters["kv_bytes_sent"] += blocks.nbytes
+            ctx.counters["kv_entries_sent"] += len(blocks)
+            ctx.counters["layer_writes"] += 1
+            ctx.counters["layer_calls_batched"] += len(batch.waiters) - 1
+            batch.settle(None)
+
+        # a write cancelled by the manager's close (before or while it runs) still resumes its callers
+        ctx.spawn(post(), f"layers-{room}").add_done_callback(
+            lambda _t: batch.settle(ClosedError("the manager closed while a layer write was pending")))
 
     async def write_state(
         self, room: int, peer: DecodePeer, kind: str, src: np.ndarray, dst: np.ndarray, deadline: Deadline,
@@ -364,6 +417,35 @@ class Pusher:
         if self._streamed:
             for skey in [k for k in self._streamed if k[0] == room]:
                 del self._streamed[skey]
+
+
+class _LayerBatch:
+    """Layers of one chunk sent in the same loop iteration (a forward pass whose hooks queued up): posted as
+    one engine write, every caller resumed with its outcome. Each caller waits on its own future: a caller
+    cancelled meanwhile does not cancel the write, which the room's pages stay held for until it is over."""
+
+    __slots__ = ("deadline", "positions", "waiters")
+
+    def __init__(self, deadline: Deadline) -> None:
+        self.deadline = deadline
+        self.positions: list[np.ndarray] = []
+        self.waiters: list[asyncio.Future[None]] = []
+
+    def join(self, positions: np.ndarray, deadline: Deadline) -> asyncio.Future[None]:
+        self.positions.append(positions)
+        if deadline.at < self.deadline.at:
+            self.deadline = deadline  # the write ends within every caller's budget
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiters.append(fut)
+        return fut
+
+    def settle(self, exc: Exception | None) -> None:
+        for fut in self.waiters:
+            if not fut.done():
+                if exc is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(exc)
 
 
 def _read_bytes(buf: Buffer, slot: int) -> bytes:

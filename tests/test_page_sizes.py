@@ -6,6 +6,7 @@ whatever the page size, so both sides' pages are filled and read back through it
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 
 import numpy as np
@@ -16,7 +17,9 @@ from hypothesis import strategies as st
 from aiotransfer import InvalidArgument, KVArgs, KVManager, KVPoll, TransferConfig
 from aiotransfer.layout import RankGeometry, pair_buffers
 from aiotransfer.plan import unit_span, units_of
+from tests.conftest import expected_digest
 from tests.remote import RemoteError, RemotePeer
+from tests.test_parallel import prefill_ranks
 
 H, HB, BUFFERS = 4, 16, 4
 ROW = H * HB
@@ -209,3 +212,46 @@ async def test_num_tokens_must_fill_the_pages(engine: str) -> None:
             await rx.send_metadata([0, 1], num_tokens=40, timeout=5)
         assert rx.poll() is not KVPoll.Failed
 
+
+
+@pytest.mark.parametrize("head_order", ["NHD", "HND"])
+async def test_tp_2_to_1_with_other_page_sizes(engine: str, head_order: str) -> None:
+    """Two prefill ranks with half the heads each, 16-token pages, into one decode rank with 64-token pages:
+    units of 16 tokens, head-sliced (NHD), or converted while staging (HND decode)."""
+    tokens, p, d = 90, 16, 64
+    rows = token_rows(11, tokens)
+    src, dst = list(range(2, 2 + -(-tokens // p))), [6, 3]
+    per_rank = []
+    for r in range(2):
+        half = [np.ascontiguousarray(x[:, r * H // 2 : (r + 1) * H // 2]) for x in rows]
+        bufs = [np.zeros((16, p, H // 2, HB), dtype=np.uint8) for _ in half]
+        for b, x in zip(bufs, half, strict=True):
+            for i, page in enumerate(src):
+                part = x[i * p : (i + 1) * p]
+                b[page, : len(part)] = part
+        per_rank.append(KVArgs([b.reshape(16, -1) for b in bufs], page_size=p, dtype="uint8", tp_size=2, tp_rank=r,
+                               kv_heads=H // 2, total_kv_heads=H, num_layers=BUFFERS // 2))
+    async with prefill_ranks(per_rank, engine) as prefill:
+        peer = await RemotePeer.start(engine, buffers=BUFFERS, pages=8, item_len=d * ROW, page_size=d, kv_heads=H,
+                                      total_kv_heads=H, head_order=head_order, num_layers=BUFFERS // 2)
+        try:
+            senders = [m.sender(5) for m in prefill]
+            await peer.call("receiver", room=5, peer=prefill[0].endpoint, pages=dst, num_tokens=tokens)
+            for tx in senders:
+                await tx.wait_ready(timeout=10)
+            await asyncio.gather(*(tx.send_kv(src) for tx in senders))
+            assert (await peer.call("done", room=5))["status"] == "Success"
+            if head_order == "NHD":
+                got = await peer.call("token_digest", pages=dst, num_tokens=tokens)
+                assert got["digest"] == token_digest(rows, tokens)
+            else:
+                expected = [np.zeros((8, d, H, HB), dtype=np.uint8) for _ in rows]
+                for e, x in zip(expected, rows, strict=True):
+                    for i, page in enumerate(dst):
+                        part = x[i * d : (i + 1) * d]
+                        e[page, : len(part)] = part
+                hnd = [np.ascontiguousarray(e.transpose(0, 2, 1, 3)).reshape(8, -1) for e in expected]
+                got = await peer.call("digest", pages=dst)
+                assert got["digest"] == expected_digest(hnd, dst)
+        finally:
+            await peer.close()

@@ -8,12 +8,13 @@ export MC_LOG_LEVEL ?= WARNING
 export NO_MKDOCS_2_WARNING ?= 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup demo test lint format typecheck docs docs-serve bench interop vllm clean
+.PHONY: help setup demo test test-gpu lint format typecheck docs docs-serve bench interop vllm clean
 
 help:
 	@echo "make setup    create .venv, install Debian libraries and pip packages (idempotent)"
 	@echo "make demo     run the demo: one prefill -> decode KV-cache transfer on this machine"
 	@echo "make test     ruff + mypy + mkdocs --strict + pytest (what CI runs)"
+	@echo "make test-gpu the GPU tests (CUDA KV on both sides, device staging); they skip without a GPU"
 	@echo "make lint     ruff + mypy"
 	@echo "make format   ruff format + ruff check --fix"
 	@echo "make docs     build the documentation into site/"
@@ -34,6 +35,9 @@ test: setup
 	$(BIN)/mypy
 	$(BIN)/mkdocs build --strict --quiet
 	$(BIN)/pytest -q
+
+test-gpu: setup
+	$(BIN)/pytest -m gpu -s
 
 lint: setup
 	$(BIN)/ruff check .

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import importlib.util
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -135,7 +136,13 @@ class TransferConfig:
     staging: str = "auto"
     """Gather/scatter through a staging arena: ``auto`` (cost model), ``always`` or ``never``."""
     staging_bytes: int = 64 * 1024 * 1024
-    """Size of this manager's staging arena (host memory, registered); 0 disables staging."""
+    """Size of this manager's staging arena (registered; on the KV's device); 0 disables staging."""
+    staging_backend: str = "auto"
+    """What gathers and scatters staged pages: ``auto`` (torch when the KV lives on a device, NumPy for host
+    memory), ``numpy`` (host memory only: refused for device KV), or ``torch`` (needs torch; runs the
+    device code path on host tensors too). With torch the arena is a tensor on the KV's device and, on
+    CUDA, the copies run on their own stream. Either side of a transfer may use either backend: the staged
+    bytes are laid out the same. See docs/engines.md, "KV on a GPU"."""
 
     wire: str = "native"
     """Control-plane protocol: ``native`` (ours) or ``sglang-mooncake`` (talk to unmodified SGLang 0.5.x
@@ -193,6 +200,10 @@ class TransferConfig:
             raise ConfigError(f"nixl_progress_delay_us must be 0..1000000, got {self.nixl_progress_delay_us!r}")
         if self.staging not in ("auto", "always", "never"):
             raise ConfigError(f"staging must be auto, always or never, got {self.staging!r}")
+        if self.staging_backend not in ("auto", "numpy", "torch"):
+            raise ConfigError(f"staging_backend must be auto, numpy or torch, got {self.staging_backend!r}")
+        if self.staging_backend == "torch" and importlib.util.find_spec("torch") is None:
+            raise ConfigError("staging_backend='torch' needs torch: pip install 'aiotransfer[torch]'")
         if self.release_quarantine_s is not None:
             _positive("release_quarantine_s", self.release_quarantine_s)
         if self.staging_bytes < 0:

@@ -259,11 +259,13 @@ class KVManager:
         ctx.offload.shutdown(wait=False)
 
     def describe(self) -> dict[str, Any]:
-        """Static facts: engine, transport actually installed, session, endpoint, geometry."""
+        """Static facts: engine, transport actually installed, session, endpoint, geometry, and what stages
+        (``staging_backend``: ``numpy``, ``torch``, or None when staging is off)."""
         info: dict[str, Any] = {
             "endpoint": self.endpoint, "generation": self.generation, "protocol_version": PROTOCOL_VERSION,
             "kv_buffers": len(self.args.kv), "num_pages": self.args.num_pages, "layout": self.args.layout,
             "compat": self._ctx.compat, "engine_threads": self._engine_threads, "kv_device": self.args.kv_device,
+            "staging_backend": self._ctx.staging_backend,
         }
         if self._ctx.engine_or_none is not None:
             info.update(self._ctx.engine_or_none.describe())

@@ -7,10 +7,9 @@ entry count. :func:`choose_staging` is the cost model that decides per chunk.
 
 Flow for one staged piece (prefill P, decode D), all on the control channel except the data:
 
-1. P gathers the piece into its own staging arena (offload thread, NumPy ``take``; one gather at a
-   time, the copies are CPU-bound) and meanwhile asks D for room in D's staging arena
-   (``StageRequest``); D grants an offset when space frees up (``StageGrant``): backpressure, nothing is
-   dropped.
+1. P gathers the piece into its own staging arena (offload thread; one gather at a time, host copies
+   are CPU-bound) and meanwhile asks D for room in D's staging arena (``StageRequest``); D grants an
+   offset when space frees up (``StageGrant``): backpressure, nothing is dropped.
 2. P writes the piece with one engine entry (several pieces may be in flight, as long as P's arena has
    room; the next gather runs meanwhile), then tells D what it is (``Staged``).
 3. D validates it against the room's declared pages, scatters it into its KV pages (offload thread),
@@ -19,23 +18,50 @@ Flow for one staged piece (prefill P, decode D), all on the control channel exce
 4. A piece that fails before its write hands D's space back with an empty ``Staged`` (no pages, no
    bytes); space a posted write may still land in stays held.
 
-Staging works on host memory (NumPy views of the registered buffers); device-resident KV uses the
-direct path.
+Where the copies run (``TransferConfig.staging_backend``): host KV is copied with NumPy views of the
+registered buffers (:class:`HostCopier`); KV on a device (CUDA tensors) with torch operations on an arena
+allocated on that device, on its own stream (:mod:`aiotransfer._torch_staging`). Both implement
+:class:`ArenaCopier` and move the same bytes in the same order, so the two sides of a transfer need not
+use the same backend.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
-from .errors import InvalidArgument, TransferTimeout
+from .errors import ConfigError, InvalidArgument, TransferTimeout
 
-__all__ = ["RowSlice", "StagingArena", "choose_staging", "gather_pages", "host_view", "scatter_pages"]
+__all__ = [
+    "ARENA_ALIGN",
+    "DEVICE_COPY_BW",
+    "HOST_COPY_BW",
+    "ArenaCopier",
+    "HostCopier",
+    "RowSlice",
+    "StagingArena",
+    "choose_staging",
+    "copy_bandwidth",
+    "gather_pages",
+    "host_view",
+    "scatter_pages",
+    "staging_backend",
+]
 
-_ALIGN = 64
+ARENA_ALIGN = 64
+"""Alignment of an arena's first byte; an arena over outside memory needs this much slack."""
+
+HOST_COPY_BW = 4e9
+"""Gather/scatter throughput of host memory in bytes per second (NumPy copies of scattered pages, measured
+on the CPU machines)."""
+DEVICE_COPY_BW = 1e12
+"""Gather/scatter throughput of device memory in bytes per second: a nominal HBM figure (a device-to-device
+copy reads and writes each byte; H100 HBM3 peaks at ~3.3 TB/s), not measured here."""
 
 
 def host_view(ptr: int, nbytes: int) -> np.ndarray:
@@ -46,21 +72,34 @@ def host_view(ptr: int, nbytes: int) -> np.ndarray:
 class StagingArena:
     """A first-fit allocator over one buffer, with bounded waits for space (backpressure)."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, *, base: int | None = None, device: str = "cpu", owner: Any = None) -> None:
+        """``nbytes`` of fresh host memory; or, given ``base``, memory allocated elsewhere (a device tensor):
+        ``owner`` holds ``nbytes + ARENA_ALIGN`` bytes from ``base`` on ``device``; the arena keeps it."""
+        if base is None:
+            owner = np.zeros(nbytes + ARENA_ALIGN, dtype=np.uint8)
+            owner[::4096] = 1  # fault every page in now, not during the first transfer
+            owner[::4096] = 0
+            base, device = int(owner.ctypes.data), "cpu"
         self.nbytes = nbytes
-        self.buffer = np.zeros(nbytes + _ALIGN, dtype=np.uint8)
-        base = int(self.buffer.ctypes.data)
-        self.offset0 = (-base) % _ALIGN
-        self.ptr = base + self.offset0
-        self.view = self.buffer[self.offset0 : self.offset0 + nbytes]
-        self.buffer[::4096] = 1  # fault every page in now, not during the first transfer
-        self.buffer[::4096] = 0
+        self.ptr = base + (-base) % ARENA_ALIGN
+        """The arena's first byte (64-byte aligned): what the engine registers and peers write to."""
+        self.device = device
+        """Where the arena lives: ``cpu`` or a device such as ``cuda:0``."""
+        self.owner = owner
+        self._view = host_view(self.ptr, nbytes) if device == "cpu" else None
         self._free: list[tuple[int, int]] = [(0, nbytes)]
         self._changed = asyncio.Event()
         self.in_use = 0
 
+    @property
+    def view(self) -> np.ndarray:
+        """The arena as a writable uint8 NumPy array (host arenas only)."""
+        if self._view is None:
+            raise InvalidArgument(f"the staging arena lives on {self.device}: it has no host view")
+        return self._view
+
     def try_acquire(self, n: int) -> int | None:
-        n = (n + _ALIGN - 1) // _ALIGN * _ALIGN
+        n = (n + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
         for i, (off, size) in enumerate(self._free):
             if size >= n:
                 if size == n:
@@ -88,7 +127,7 @@ class StagingArena:
         return off
 
     def release(self, off: int, n: int) -> None:
-        n = (n + _ALIGN - 1) // _ALIGN * _ALIGN
+        n = (n + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
         self.in_use -= n
         self._free.append((off, n))
         self._free.sort()
@@ -153,13 +192,82 @@ def scatter_pages(
         _page_view(view, num_pages[b], sl)[pages] = part
 
 
+class ArenaCopier(Protocol):
+    """Moves pages between a rank's KV buffers and its staging arena. Both calls run on an offload thread
+    and return only once the copy is complete: the engine may read the gathered bytes, or the slice be
+    granted again, as soon as they return.
+
+    The bytes of slice ``[off, off + n)`` are laid out buffer after buffer (``buffers`` order), each
+    segment the ``sl`` slice of ``pages`` in page order: ``n = len(buffers) * pages.size *
+    sl.bytes_per_page``."""
+
+    @property
+    def arena(self) -> StagingArena: ...
+
+    def gather(self, buffers: Sequence[int], num_pages: Sequence[int], pages: np.ndarray, sl: RowSlice,
+               off: int) -> None:
+        """Copy ``pages`` of KV buffers ``buffers`` (each of ``num_pages`` units) into the arena at ``off``."""
+
+    def scatter(self, buffers: Sequence[int], num_pages: Sequence[int], pages: np.ndarray, sl: RowSlice,
+                off: int) -> None:
+        """Inverse of :meth:`gather`: write the arena's bytes at ``off`` into ``pages`` of ``buffers``."""
+
+
+class HostCopier:
+    """:class:`ArenaCopier` for host memory: NumPy views of the KV buffers and a host arena."""
+
+    def __init__(self, views: Sequence[np.ndarray], arena: StagingArena) -> None:
+        self._views = list(views)
+        self._arena = arena
+
+    @property
+    def arena(self) -> StagingArena:
+        return self._arena
+
+    def _slice(self, buffers: Sequence[int], pages: np.ndarray, sl: RowSlice, off: int) -> np.ndarray:
+        return self._arena.view[off : off + len(buffers) * pages.size * sl.bytes_per_page]
+
+    def gather(self, buffers: Sequence[int], num_pages: Sequence[int], pages: np.ndarray, sl: RowSlice,
+               off: int) -> None:
+        gather_pages([self._views[i] for i in buffers], list(num_pages), pages, sl, self._slice(buffers, pages, sl, off))
+
+    def scatter(self, buffers: Sequence[int], num_pages: Sequence[int], pages: np.ndarray, sl: RowSlice,
+                off: int) -> None:
+        scatter_pages([self._views[i] for i in buffers], list(num_pages), pages, sl,
+                      self._slice(buffers, pages, sl, off))
+
+
+def staging_backend(requested: str, kv_device: str, torch_available: bool) -> str:
+    """The copier a rank uses (``TransferConfig.staging_backend``): ``numpy`` or ``torch``.
+
+    ``auto`` picks torch for KV on a device and NumPy for host memory; ``numpy`` cannot reach device memory;
+    ``torch`` needs torch."""
+    if requested not in ("auto", "numpy", "torch"):
+        raise ConfigError(f"staging_backend must be auto, numpy or torch, got {requested!r}")
+    on_device = kv_device != "cpu"
+    if requested == "auto":
+        return "torch" if on_device else "numpy"
+    if requested == "numpy" and on_device:
+        raise ConfigError(f"staging_backend='numpy' cannot copy KV that lives on {kv_device}: use 'auto' or "
+                          "'torch' (or staging='never' for the direct path)")
+    if requested == "torch" and not torch_available:
+        raise ConfigError("staging_backend='torch' needs torch: pip install 'aiotransfer[torch]'")
+    return requested
+
+
+def copy_bandwidth(device: str) -> float:
+    """Gather/scatter throughput of the memory on ``device`` (a constant of the cost model)."""
+    return HOST_COPY_BW if device == "cpu" else DEVICE_COPY_BW
+
+
 def choose_staging(
     *,
     entries: int,
     nbytes: int,
     entry_cost_s: float,
     bandwidth_bps: float,
-    copy_bw: float = 4e9,
+    copy_bw: float | None = None,
+    device: str = "cpu",
     round_trip_s: float = 6e-4,
 ) -> bool:
     """Stage when it is cheaper (a cost model, measured constants per engine).
@@ -167,9 +275,12 @@ def choose_staging(
     direct = max(entries x per-entry cost, bytes / engine bandwidth): small entries are bound by the
     per-entry cost, large ones by the wire. staged = bytes / engine bandwidth + gather and scatter copies
     (not overlapped: on small hosts the copies compete with the engine's own threads) + round trips.
+    ``copy_bw`` defaults to the copy throughput of the KV's ``device`` (:func:`copy_bandwidth`).
     """
     if entries <= 1:
         return False
+    if copy_bw is None:
+        copy_bw = copy_bandwidth(device)
     wire = nbytes / bandwidth_bps
     direct = max(entries * entry_cost_s, wire)
     staged = wire + 2 * nbytes / copy_bw + round_trip_s + entry_cost_s

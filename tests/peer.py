@@ -2,6 +2,8 @@
 
 Usage: python tests/peer.py --engine mooncake_tcp --buffers 4 --pages 256 --item-len 4096 [--seed N]
 
+``--staging-backend torch`` or ``--device cuda:0`` registers the KV buffers as torch tensors (on that device).
+
 Each stdin line is {"id": n, "op": ..., ...}; each reply is one stdout line {"id": n, "ok": bool, ...}.
 Commands run concurrently (one task each), so a test can hold a ``done`` open while sending others.
 """
@@ -37,20 +39,29 @@ def make_buffers(n: int, pages: int, item_len: int, seed: int | None) -> list[np
     return bufs
 
 
+def host_array(buf: Any) -> np.ndarray:
+    """``buf`` as a NumPy array (a host copy of a device tensor; host tensors and arrays are not copied)."""
+    return buf.cpu().numpy() if hasattr(buf, "cpu") else buf
+
+
 def digest(bufs: Sequence[Any], pages: list[int]) -> str:
     h = hashlib.sha256()
     idx = np.asarray(pages, dtype=np.int64)
     for buf in bufs:
-        h.update(np.ascontiguousarray(buf[idx]).tobytes())
+        h.update(np.ascontiguousarray(host_array(buf)[idx]).tobytes())
     return h.hexdigest()
 
 
 class Peer:
     def __init__(self, ns: argparse.Namespace) -> None:
         self.ns = ns
-        self.kv = make_buffers(ns.buffers, ns.pages, ns.item_len, ns.seed)
+        self.kv: list[Any] = make_buffers(ns.buffers, ns.pages, ns.item_len, ns.seed)
         if ns.scale_item_len:  # one per-page scale buffer per KV buffer (fp8 KV), registered as KV buffers
             self.kv += make_buffers(ns.buffers, ns.pages, ns.scale_item_len, None if ns.seed is None else ns.seed + 99)
+        if ns.staging_backend == "torch" or ns.device != "cpu":
+            import torch
+
+            self.kv = [torch.from_numpy(b).to(ns.device) for b in self.kv]  # host: the same memory
         self.aux = make_buffers(ns.aux_buffers, ns.aux_slots, ns.aux_item_len, ns.seed) if ns.aux_buffers else []
         self.state: dict[str, list[np.ndarray]] = {}
         for i, spec in enumerate(ns.state or []):
@@ -126,7 +137,7 @@ class Peer:
         ``[head_start, +head_count)`` of each (0: every head): the same whatever the page size."""
         h = hashlib.sha256()
         heads = self.ns.kv_heads or 1
-        for buf in self.kv:
+        for buf in map(host_array, self.kv):
             rows = np.ascontiguousarray(buf[np.asarray(pages, dtype=np.int64)]).reshape(-1, heads, buf.shape[1] // (
                 self.ns.page_size * heads))[:num_tokens]
             h.update(np.ascontiguousarray(rows[:, head_start : head_start + (head_count or heads)]).tobytes())
@@ -161,19 +172,25 @@ class Peer:
 
     async def op_break_scatter(self, mgr: KVManager) -> None:
         """Fault injection: every staged piece this process scatters from now on fails."""
-        from aiotransfer._kv import staged as staged_module
+        from aiotransfer import staging
 
         def broken(*args: object) -> None:
             raise RuntimeError("scatter broke")
 
-        setattr(staged_module, "scatter_pages", broken)  # noqa: B010 -- replaces the module global
+        setattr(staging, "scatter_pages", broken)  # noqa: B010 -- replaces the module global
+        if self.ns.staging_backend == "torch" or self.ns.device != "cpu":
+            from aiotransfer import _torch_staging
+
+            setattr(_torch_staging, "scatter_pages_torch", broken)  # noqa: B010
 
     async def op_stats(self, mgr: KVManager) -> dict[str, Any]:
         return {"stats": json.loads(json.dumps(mgr.stats(), default=str))}
 
     async def run(self) -> None:
-        cfg = TransferConfig.from_env(engine=self.ns.engine, handshake_timeout=self.ns.handshake_timeout)
         ns = self.ns
+        device_id = int(ns.device.partition(":")[2] or 0) if ns.device.startswith("cuda") else None
+        cfg = TransferConfig.from_env(engine=ns.engine, handshake_timeout=ns.handshake_timeout,
+                                      staging_backend=ns.staging_backend, device_id=device_id)
         layer_ids = [int(x) for x in ns.layer_ids.split(",")] if ns.layer_ids else None
         args = KVArgs(self.kv, page_size=ns.page_size, dtype=ns.dtype, aux_buffers=self.aux, state_buffers=self.state,
                       layout=ns.layout, tp_size=ns.tp_size, tp_rank=ns.tp_rank, kv_heads=ns.kv_heads,
@@ -225,6 +242,9 @@ def main() -> None:
     p.add_argument("--total-kv-heads", type=int, default=0)
     p.add_argument("--layer-ids", default="")
     p.add_argument("--handshake-timeout", type=float, default=10.0)
+    p.add_argument("--staging-backend", choices=("auto", "numpy", "torch"), default="auto",
+                   help="TransferConfig.staging_backend; torch registers the KV buffers as torch tensors")
+    p.add_argument("--device", default="cpu", help="where the KV buffers live (cuda:N: torch tensors there)")
     asyncio.run(Peer(p.parse_args()).run())
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from aiotransfer import TransferTimeout
-from aiotransfer._kv import staged as staged_module
+from aiotransfer import staging as staging_module
 from aiotransfer.staging import gather_pages
 from tests.conftest import expected_digest
 from tests.remote import RemotePeer
@@ -41,7 +41,7 @@ async def test_a_gather_past_its_deadline_keeps_its_arena_bytes_until_its_thread
             b_gathered.set()
             a_copied.wait(1.0)
 
-    monkeypatch.setattr(staged_module, "gather_pages", gather)
+    monkeypatch.setattr(staging_module, "gather_pages", gather)
     async with scattered_room(engine, decode, 21, PIECE_PAGES, "always", seed=91) as (mgr, tx_a, bufs, src_a, _):
         with pytest.raises(TransferTimeout) as info:
             await tx_a.send_kv(src_a, timeout=0.3)
@@ -78,7 +78,7 @@ async def test_last_chunk_spends_one_deadline_budget(
             threading.Event().wait(0.7)
         gather_pages(views, counts, pages, sl, out)
 
-    monkeypatch.setattr(staged_module, "gather_pages", gather)
+    monkeypatch.setattr(staging_module, "gather_pages", gather)
     budget = 1.0
     async with scattered_room(engine, decode, 23, 2 * PIECE_PAGES, "always", seed=93) as (_, tx, _, src, _):
         first = asyncio.ensure_future(tx.send_kv(src[:PIECE_PAGES], last=False, timeout=30))

@@ -455,12 +455,12 @@ async def test_staged_piece_failing_before_its_write_hands_the_decode_space_back
 ) -> None:
     """A staged piece asks the decode for space while it gathers; when the gather fails nothing is written
     there, so the space goes back (an empty piece) instead of staying held on the decode forever."""
-    from aiotransfer._kv import staged as staged_module
+    from aiotransfer import staging as staging_module
 
     def broken_gather(*args: object) -> None:
         raise RuntimeError("gather broke")
 
-    monkeypatch.setattr(staged_module, "gather_pages", broken_gather)
+    monkeypatch.setattr(staging_module, "gather_pages", broken_gather)
     async with scattered_room(engine, decode, 13, 100, "always", seed=78) as (mgr, tx, _, src, _):
         with pytest.raises(TransferFailed, match="gather broke"):
             await tx.send_kv(src)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import secrets
 from collections import Counter
@@ -41,7 +42,7 @@ from ..errors import (
 from ..layout import RankGeometry
 from ..metrics import Metrics
 from ..plan import as_index_array, check_range, check_unique
-from ..staging import StagingArena, host_view
+from ..staging import ArenaCopier, HostCopier, StagingArena, host_view, staging_backend
 from ..topology import ParallelInfo
 
 __all__ = ["RankContext", "annotate", "engine_failures", "merge_regions", "validate_state_indices"]
@@ -80,9 +81,11 @@ class RankContext:
         if self.page_geometry is not None and self.kv_views is not None:
             with contextlib.suppress(InvalidArgument):
                 self.planes = plane_views(self.kv_views, self.page_geometry)
-        self.arena: StagingArena | None = None
-        if config.staging_bytes and host_kv and config.staging != "never":
-            self.arena = StagingArena(config.staging_bytes)
+        staging = _copier(args, config, self.kv_views)
+        self.staging_backend: str | None = staging[0] if staging is not None else None
+        """``numpy`` or ``torch``: what gathers and scatters staged pieces (None when staging is off)."""
+        self.copier: ArenaCopier | None = staging[1] if staging is not None else None
+        self.arena: StagingArena | None = self.copier.arena if self.copier is not None else None
         self.kv_bases = np.array([b.ptr for b in args.kv], dtype=np.uint64)
         self.kv_item_lens = np.array([b.item_len for b in args.kv], dtype=np.uint64)
         self.aux_bases = np.array([b.ptr for b in args.aux], dtype=np.uint64)
@@ -132,7 +135,7 @@ class RankContext:
         """Every region the engine must register: buffers, plus the staging arena."""
         regions = [MemoryRegion(b.ptr, b.nbytes, b.device) for b in self.args.all_buffers()]
         if self.arena is not None:
-            regions.append(MemoryRegion(self.arena.ptr, self.arena.nbytes))
+            regions.append(MemoryRegion(self.arena.ptr, self.arena.nbytes, self.arena.device))
         # Back-to-back buffers (per-layer views of one tensor) are registered as one region: the planner
         # merges entries across such buffers, and engines require every entry inside one registration.
         return merge_regions(regions)
@@ -202,6 +205,20 @@ def _started(part: _T | None) -> _T:
     if part is None:
         raise ClosedError(_NOT_STARTED)
     return part
+
+
+def _copier(args: KVArgs, config: TransferConfig, views: list[np.ndarray] | None) -> tuple[str, ArenaCopier] | None:
+    """The staging backend and its copier (which holds the arena, on the KV's device); None: staging off."""
+    device = args.kv_device
+    backend = staging_backend(config.staging_backend, device, importlib.util.find_spec("torch") is not None)
+    if not config.staging_bytes or config.staging == "never":
+        return None
+    if backend == "torch":
+        from .._torch_staging import TorchCopier  # imports torch: an optional dependency, loaded on use
+
+        return backend, TorchCopier(args.kv, device, config.staging_bytes)
+    assert views is not None  # staging_backend refuses NumPy for device memory
+    return backend, HostCopier(views, StagingArena(config.staging_bytes))
 
 
 def validate_state_indices(

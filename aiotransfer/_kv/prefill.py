@@ -132,6 +132,9 @@ class PrefillSide:
         if ctx.arena is None or hello.staging is None:
             side = "ours" if ctx.arena is None else "the peer's"
             return f"{how} needs a staging arena on both sides ({side} is off)"
+        if a.kv_device != "cpu" or hello.kv_device != "cpu":
+            device = a.kv_device if a.kv_device != "cpu" else hello.kv_device
+            return f"{how} runs on host memory only (KV on {device})"
         heads = None
         if hello.tp_size != a.tp_size or hello.kv_heads != a.kv_heads:
             if not (a.total_kv_heads and hello.total_kv_heads) or a.total_kv_heads != hello.total_kv_heads:

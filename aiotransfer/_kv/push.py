@@ -186,7 +186,7 @@ class Pusher:
         ctx = self._ctx
         mode = ctx.config.staging if force is None else ("always" if force else "never")
         arena = ctx.arena
-        if mode == "never" or arena is None or peer.staging is None or ctx.kv_views is None:
+        if mode == "never" or arena is None or peer.staging is None:  # an arena exists only where we can copy
             return None
         pairing = peer.pairing
         nbuf = int(pairing.src.size)
@@ -217,7 +217,7 @@ class Pusher:
         engine = ctx.engine
         traits = engine.traits
         if choose_staging(entries=entries, nbytes=per_page * int(src.size), entry_cost_s=traits.entry_cost_s,
-                          bandwidth_bps=traits.bandwidth_bps):
+                          bandwidth_bps=traits.bandwidth_bps, device=ctx.args.kv_device):
             return s_sl, d_sl
         return None
 

@@ -23,7 +23,7 @@ from ..convert import gather_tokens, scatter_tokens
 from ..errors import AiotransferError, InvalidArgument, TransferFailed, TransferTimeout
 from ..layout import units_per_page
 from ..plan import Blocks, units_of
-from ..staging import RowSlice, StagingArena, gather_pages, scatter_pages
+from ..staging import ArenaCopier, RowSlice, StagingArena
 from .context import RankContext, engine_failures
 from .ledger import joint
 from .peers import DecodePeer
@@ -88,16 +88,16 @@ class StagingWriter:
         copies are CPU-bound), its decode-side space asked for while it runs; writes in flight as long as
         our arena has room; the decode's scatter and ack overlap the next pieces."""
         ctx = self._ctx
-        views = ctx.kv_views
-        assert views is not None
+        copier = ctx.copier
+        assert copier is not None
         s_sl, d_sl = slices
         pairing = peer.pairing
-        src_views = [views[i] for i in pairing.src]
-        num_pages = [ctx.args.kv[i].num_items * pairing.src_units for i in pairing.src]
+        src_buffers = [int(i) for i in pairing.src]
+        num_pages = [ctx.args.kv[i].num_items * pairing.src_units for i in src_buffers]
         dst_buffers = [int(j) for j in pairing.dst]
 
-        def gather(a: int, b: int, out: np.ndarray) -> None:
-            gather_pages(src_views, num_pages, src[a:b], s_sl, out)
+        def gather(a: int, b: int, off: int) -> None:
+            copier.gather(src_buffers, num_pages, src[a:b], s_sl, off)
 
         def staged_msg(grant: StageGrant, a: int, b: int, nbytes: int) -> Staged:
             return Staged(
@@ -106,7 +106,7 @@ class StagingWriter:
                 count=d_sl.count, head_bytes=d_sl.head_bytes, buffers=dst_buffers,
             )
 
-        await self._pieces(room, peer, int(src.size), s_sl.bytes_per_page * len(src_views), gather, staged_msg,
+        await self._pieces(room, peer, int(src.size), s_sl.bytes_per_page * len(src_buffers), gather, staged_msg,
                            deadline, hold)
 
     async def write_tokens(
@@ -124,8 +124,12 @@ class StagingWriter:
         src_start, dst_start, count = (0, 0, geo.heads) if hs is None else (hs.src_start, hs.dst_start, hs.count)
         dst_heads = geo.heads if hs is None else hs.dst_heads
         size = pairing.src_units
+        arena = ctx.arena
+        assert arena is not None
+        per_token = len(planes) * count * pairing.head_bytes
 
-        def gather(a: int, b: int, out: np.ndarray) -> None:
+        def gather(a: int, b: int, off: int) -> None:
+            out = arena.view[off : off + (b - a) * per_token]  # planes exist only for host KV: a host arena
             gather_tokens(planes, pages, size, a, b, src_start, count, out)
 
         def staged_msg(grant: StageGrant, a: int, b: int, nbytes: int) -> Staged:
@@ -135,14 +139,14 @@ class StagingWriter:
                 head_bytes=pairing.head_bytes, buffers=[], stream=True,
             )
 
-        await self._pieces(room, peer, tokens, len(planes) * count * pairing.head_bytes, gather, staged_msg,
-                           deadline, hold)
+        await self._pieces(room, peer, tokens, per_token, gather, staged_msg, deadline, hold)
 
     async def _pieces(
-        self, room: int, peer: DecodePeer, total: int, per_item: int, gather: Callable[[int, int, np.ndarray], None],
+        self, room: int, peer: DecodePeer, total: int, per_item: int, gather: Callable[[int, int, int], None],
         staged_msg: Callable[[StageGrant, int, int, int], Staged], deadline: Deadline, hold: Hold | None,
     ) -> None:
-        """Items ``[0, total)`` (pages or tokens) of ``per_item`` bytes each, piece by piece."""
+        """Items ``[0, total)`` (pages or tokens) of ``per_item`` bytes each, piece by piece; ``gather(a, b,
+        off)`` copies items ``[a, b)`` into our arena at ``off`` (on an offload thread)."""
         ctx = self._ctx
         arena, remote = ctx.arena, peer.staging
         assert arena is not None and remote is not None
@@ -161,9 +165,8 @@ class StagingWriter:
                         peer.endpoint, StageRequest(room=room, endpoint=ctx.endpoint, req_id=0, nbytes=nbytes),
                         deadline,
                     ))
-                    out = arena.view[lease.off : lease.off + nbytes]
                     try:
-                        await ctx.offload.run(gather, a, b, out,
+                        await ctx.offload.run(gather, a, b, lease.off,
                                               timeout=deadline.remaining(), what="staging gather",
                                               on_done=joint(hold, lease.lend)())
                     except AiotransferError:
@@ -324,14 +327,14 @@ class StagingGrantor:
             return
         rx = self._lookup(msg.room)
         pages = rx.pages if rx is not None else None
-        args, views = ctx.args, ctx.kv_views
+        args, copier = ctx.args, ctx.copier
         reason = None
         k: int | None = None
         if room != msg.room or off != msg.offset or msg.nbytes > nbytes:
             reason = "staged piece does not match its grant"
         elif pages is None:
             reason = f"room {msg.room} is not open here"
-        elif any(b >= len(args.kv) for b in msg.buffers) or views is None:
+        elif any(b >= len(args.kv) for b in msg.buffers) or copier is None:
             reason = "staged piece names unknown buffers"
         else:
             unit = msg.rows * msg.heads * msg.head_bytes
@@ -342,12 +345,12 @@ class StagingGrantor:
             elif msg.dst_start + msg.n_pages > pages.size * k:
                 reason = (f"staged units [{msg.dst_start}, {msg.dst_start + msg.n_pages}) exceed the "
                           f"{pages.size * k} declared")
-        if reason is not None or pages is None or views is None or k is None:
+        if reason is not None or pages is None or copier is None or k is None:
             self._refuse(msg, off, nbytes, reason or "")
             return
         first, last = msg.dst_start // k, -(-(msg.dst_start + msg.n_pages) // k)
         units = units_of(pages[first:last], k)[msg.dst_start - first * k :][: msg.n_pages]
-        ctx.spawn(self._scatter(msg, units, k, views, off, nbytes), "scatter")
+        ctx.spawn(self._scatter(msg, units, k, copier, off, nbytes), "scatter")
 
     def _refuse(self, msg: Staged, off: int, nbytes: int, reason: str) -> None:
         ctx = self._ctx
@@ -398,20 +401,20 @@ class StagingGrantor:
 
         ctx.spawn(scatter(), "scatter")
 
-    async def _scatter(self, msg: Staged, units: np.ndarray, k: int, views: list[np.ndarray], off: int,
+    async def _scatter(self, msg: Staged, units: np.ndarray, k: int, copier: ArenaCopier, off: int,
                        nbytes: int) -> None:
         """Scatter a piece into ``units`` of our pages (each page ``k`` units; 1 when the page sizes match)."""
         ctx = self._ctx
         arena = ctx.arena
         assert arena is not None
         sl = RowSlice(msg.rows, msg.heads, msg.start, msg.count, msg.head_bytes)
-        dst = [views[b] for b in msg.buffers]
         counts = [ctx.args.kv[b].num_items * k for b in msg.buffers]
-        src = arena.view[off : off + msg.nbytes]
         ok, reason = True, ""
         try:
-            # the granted space is freed once the scatter's thread is done reading it, not when we stop waiting
-            await ctx.offload.run(scatter_pages, dst, counts, units, sl, src, timeout=ctx.config.transfer_timeout,
+            # the granted space is freed once the scatter's thread is done reading it (its copies complete),
+            # not when we stop waiting
+            await ctx.offload.run(copier.scatter, list(msg.buffers), counts, units, sl, off,
+                                  timeout=ctx.config.transfer_timeout,
                                   what="staging scatter", on_done=lambda: arena.release(off, nbytes))
             ctx.counters["staged_pieces_received"] += 1
         except Exception as exc:  # the prefill learns why instead of waiting for an ack that never comes

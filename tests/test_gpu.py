@@ -1,0 +1,133 @@
+"""KV in CUDA memory on both sides, two processes, over NIXL and Mooncake (``make test-gpu``).
+
+Skipped where ``torch.cuda.is_available()`` is false. The decode runs in its own process on the same GPU
+(``tests/peer.py --device cuda:0``); the prefill's KV tensors live on the GPU in this process.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aiotransfer import KVArgs, KVManager, TransferConfig
+from tests.conftest import expected_digest
+from tests.peer import make_buffers
+from tests.remote import RemotePeer
+
+
+def _cuda() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _mooncake_cuda() -> bool:
+    """A Mooncake wheel built with CUDA (the ``-non-cuda`` one cannot reach GPU memory)."""
+    for dist in ("mooncake-transfer-engine", "mooncake-transfer-engine-cuda13"):
+        try:
+            importlib.metadata.distribution(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return True
+    return False
+
+
+def _nixl() -> bool:
+    return importlib.util.find_spec("nixl_cu12") is not None or importlib.util.find_spec("nixl") is not None
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU: torch.cuda.is_available() is false here"),
+]
+
+DEVICE = "cuda:0"
+
+
+@pytest.fixture(params=[  # without a GPU, the GPU is the reason given
+    pytest.param("nixl", marks=pytest.mark.skipif(_cuda() and not _nixl(), reason="nixl not installed")),
+    pytest.param("mooncake_tcp", marks=pytest.mark.skipif(
+        _cuda() and not _mooncake_cuda(), reason="needs a CUDA build of Mooncake: pip install 'aiotransfer[mooncake]'")),
+])
+def gpu_engine(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def cuda_kv(bufs: list[np.ndarray]) -> list[Any]:
+    import torch
+
+    return [torch.from_numpy(b).to(DEVICE) for b in bufs]
+
+
+async def _room(mgr: KVManager, decode: RemotePeer, room: int, src: list[int], dst: list[int]) -> float:
+    """One room of ``src`` -> ``dst``; returns the seconds ``send_kv`` + ``done`` took."""
+    tx = mgr.sender(room)
+    await decode.call("receiver", room=room, peer=mgr.endpoint, pages=dst, timeout=30)
+    await tx.wait_ready(timeout=30)
+    t0 = time.perf_counter()
+    await tx.send_kv(src, timeout=120)
+    await tx.done(timeout=120)
+    elapsed = time.perf_counter() - t0
+    assert (await decode.call("done", room=room, timeout=120))["status"] == "Success"
+    return elapsed
+
+
+@pytest.mark.parametrize("staging", ["never", "always"])
+async def test_cuda_kv_both_sides_byte_exact(gpu_engine: str, staging: str) -> None:
+    geometry: dict[str, Any] = {"buffers": 4, "pages": 256, "item_len": 4096}
+    bufs = make_buffers(geometry["buffers"], geometry["pages"], geometry["item_len"], seed=7)
+    cfg = TransferConfig(engine=gpu_engine, device_id=0, staging=staging, staging_bytes=1 << 20)
+    decode = await RemotePeer.start(gpu_engine, device=DEVICE, **geometry)
+    try:
+        info = await decode.call("info")
+        assert info["describe"]["kv_device"] == DEVICE and info["describe"]["staging_backend"] == "torch"
+        async with KVManager(KVArgs(cuda_kv(bufs), page_size=16, dtype="uint8"), cfg) as mgr:
+            assert mgr.describe()["kv_device"] == DEVICE
+            rng = np.random.default_rng(8)
+            src = [int(x) for x in rng.permutation(256)[:200]]
+            dst = [int(x) for x in rng.permutation(256)[:200]]
+            await _room(mgr, decode, 1, src, dst)
+            assert (await decode.call("digest", pages=dst))["digest"] == expected_digest(bufs, src)
+            staged = mgr.stats().get("staged_pieces", 0)
+            assert (staged > 0) == (staging == "always"), mgr.stats()
+    finally:
+        await decode.close()
+
+
+@pytest.mark.timeout(600)
+async def test_device_staging_against_direct_on_10k_scattered_pages(gpu_engine: str) -> None:
+    """10,000 scattered 4 KiB pages x 4 buffers (160 MiB) in GPU memory: staged on the device vs one
+    engine entry per page. Prints GB/s of each; checks both are byte-exact."""
+    geometry: dict[str, Any] = {"buffers": 4, "pages": 12_288, "item_len": 4096}
+    n = 10_000
+    bufs = make_buffers(geometry["buffers"], geometry["pages"], geometry["item_len"], seed=11)
+    kv = cuda_kv(bufs)
+    nbytes = n * geometry["buffers"] * geometry["item_len"]
+    rng = np.random.default_rng(12)
+    decode = await RemotePeer.start(gpu_engine, device=DEVICE, timeout=120, **geometry)
+    try:
+        results: dict[str, float] = {}
+        for room, staging in enumerate(("never", "always"), start=1):
+            cfg = TransferConfig(engine=gpu_engine, device_id=0, staging=staging)
+            async with KVManager(KVArgs(kv, page_size=16, dtype="uint8"), cfg) as mgr:
+                src = [int(x) for x in rng.permutation(geometry["pages"])[:n]]
+                dst = [int(x) for x in rng.permutation(geometry["pages"])[:n]]
+                await decode.call("zero")
+                elapsed = await _room(mgr, decode, room, src, dst)
+                assert (await decode.call("digest", pages=dst))["digest"] == expected_digest(bufs, src)
+                stats = mgr.stats()
+                assert (stats.get("staged_pieces", 0) > 0) == (staging == "always"), stats
+                results[staging] = elapsed
+                print(f"\n{gpu_engine} {staging:>6}: {n:,} scattered pages x {geometry['buffers']} buffers, "
+                      f"{nbytes / 2**20:.0f} MiB in {elapsed * 1e3:.1f} ms = {nbytes / elapsed / 1e9:.2f} GB/s, "
+                      f"{stats['kv_entries_sent']:,} engine entries")
+        print(f"{gpu_engine}: device staging is {results['never'] / results['always']:.1f}x direct")
+    finally:
+        await decode.close()

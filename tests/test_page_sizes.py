@@ -191,6 +191,35 @@ async def test_page_sizes_with_head_slices_and_layers(engine: str) -> None:
                 await peer.close()
 
 
+@pytest.mark.parametrize(("p", "d"), [(16, 64), (64, 16)])
+async def test_page_sizes_streamed_layer_by_layer(engine: str, p: int, d: int) -> None:
+    """Each layer of each chunk moves as its own units as soon as it is sent (direct entries)."""
+    tokens = 150
+    rows = token_rows(p + d, tokens)
+    n_src, n_dst = -(-tokens // p), -(-tokens // d)
+    src, dst = list(range(n_src))[::-1], list(range(1, 1 + n_dst))
+    args = KVArgs(paged(rows, p, 64, src), page_size=p, dtype="uint8", kv_heads=H, num_layers=BUFFERS // 2)
+    async with KVManager(args, TransferConfig(engine=engine, staging="never")) as mgr:
+        peer = await RemotePeer.start(engine, buffers=BUFFERS, pages=16, item_len=d * ROW, page_size=d, kv_heads=H)
+        try:
+            tx = mgr.sender(6)
+            await peer.call("receiver", room=6, peer=mgr.endpoint, pages=dst, num_tokens=tokens)
+            await tx.wait_ready(timeout=10)
+            half = n_src // 2
+            for chunk, last in ((src[:half], False), (src[half:], True)):
+                stream = tx.stream(chunk, last=last)
+                for layer in (1, 0):
+                    await stream.send_layers(layer, timeout=10)
+                    assert mgr.stats()["kv_entries_sent"] > 0
+            await tx.done(timeout=10)
+            assert mgr.stats()["layer_writes"] == 4
+            assert (await peer.call("done", room=6))["status"] == "Success"
+            got = await peer.call("token_digest", pages=dst, num_tokens=tokens)
+            assert got["digest"] == token_digest(rows, tokens)
+        finally:
+            await peer.close()
+
+
 async def test_page_sizes_that_do_not_divide_are_refused_before_a_byte_moves(engine: str) -> None:
     async with KVManager(KVArgs(paged(token_rows(1, 16), 16, 8, [0]), page_size=16, dtype="uint8"),
                          TransferConfig(engine=engine)) as mgr:

@@ -170,6 +170,15 @@ class Peer:
 
         return {"threads": thread_policies()}
 
+    async def op_break_conversion(self, mgr: KVManager) -> None:
+        """Fault injection: every converted piece this process scatters from now on fails."""
+        from aiotransfer._kv import staged as staged_module
+
+        def broken(*args: object) -> None:
+            raise RuntimeError("conversion broke")
+
+        setattr(staged_module, "scatter_tokens", broken)  # noqa: B010 -- replaces the module global
+
     async def op_break_scatter(self, mgr: KVManager) -> None:
         """Fault injection: every staged piece this process scatters from now on fails."""
         from aiotransfer import staging

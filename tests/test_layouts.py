@@ -3,12 +3,13 @@ staging, byte-exact across two processes against a reference re-layout in NumPy.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 
 import numpy as np
 import pytest
 
-from aiotransfer import KVArgs, KVManager, KVPoll, TransferConfig
+from aiotransfer import KVArgs, KVManager, KVPoll, TransferConfig, TransferFailed
 from tests.remote import RemoteError, RemotePeer
 
 H, HB, LAYERS = 4, 8, 2
@@ -116,6 +117,37 @@ async def test_converted_layouts_byte_exact(engine: str, ours: Side, theirs: Sid
 async def test_converted_layouts_with_head_slices(engine: str) -> None:
     """TP 1 -> 2, token-major 16-token pages into head-major 64-token pages: each decode rank its heads."""
     await _room(engine, ("layer_first", "NHD", 16), ("layer_first", "HND", 64), tokens=100, d_tp=2)
+
+
+async def test_a_conversion_failing_mid_room_fails_it_on_both_sides(engine: str) -> None:
+    """The decode cannot scatter a converted piece: the prefill's send fails at once with the decode's
+    reason, and the decode's room fails too."""
+    tokens = 300
+    planes = token_planes(5, tokens)
+    src = list(range(-(-tokens // 16)))
+    args = KVArgs(laid_out(planes, "layer_first", "NHD", 16, len(src), src), page_size=16, dtype="uint8",
+                  kv_heads=H, total_kv_heads=H)
+    async with KVManager(args, TransferConfig(engine=engine, staging_bytes=1 << 14)) as mgr:
+        peer = await RemotePeer.start(engine, buffers=PLANES, pages=len(src), item_len=16 * H * HB, page_size=16,
+                                      head_order="HND", kv_heads=H, total_kv_heads=H)
+        try:
+            await peer.call("break_conversion")
+            tx = mgr.sender(4)
+            await peer.call("receiver", room=4, peer=mgr.endpoint, pages=src)
+            await tx.wait_ready(timeout=10)
+            t0 = asyncio.get_running_loop().time()
+            with pytest.raises(TransferFailed, match="conversion broke"):
+                await tx.send_kv(src, timeout=30)
+            assert asyncio.get_running_loop().time() - t0 < 10
+            reply = await peer.call("reason", room=4)
+            for _ in range(50):
+                if reply["status"] == "Failed":
+                    break
+                await asyncio.sleep(0.1)
+                reply = await peer.call("reason", room=4)
+            assert reply["status"] == "Failed" and "conversion broke" in reply["reason"], reply
+        finally:
+            await peer.close()
 
 
 @pytest.mark.parametrize(("config", "match"), [

@@ -291,8 +291,7 @@ class Pusher:
             batch = self._batches.get(key)
             if batch is None:  # the first layer of this loop iteration: later ones join it until it is posted
                 batch = self._batches[key] = _LayerBatch(deadline)
-                asyncio.get_running_loop().call_soon(self._post_layers, key, batch, room, peer, src, dst,
-                                                     (runs, coalesced), hold)
+                self._post_layers(key, batch, room, peer, src, dst, (runs, coalesced), hold)
             done = batch.join(positions, deadline)
             with engine_failures(room, peer.endpoint, "engine transfer"):
                 await done
@@ -302,13 +301,14 @@ class Pusher:
     def _post_layers(self, key: tuple[int, str, int], batch: _LayerBatch, room: int, peer: DecodePeer,
                      src: np.ndarray, dst: np.ndarray, plans: tuple[list[list[int]] | None, Runs | None],
                      hold: Hold | None) -> None:
-        """Post the layers that queued up for one chunk and decode rank as one engine write."""
-        if self._batches.get(key) is batch:
-            del self._batches[key]
+        """Post the layers that queue up for one chunk and decode rank as one engine write: a task that starts
+        on the next loop iteration, after the calls already scheduled (the other hooks) have joined."""
         ctx = self._ctx
-        positions = batch.positions[0] if len(batch.positions) == 1 else np.sort(np.concatenate(batch.positions))
 
         async def post() -> None:
+            if self._batches.get(key) is batch:
+                del self._batches[key]
+            positions = batch.positions[0] if len(batch.positions) == 1 else np.sort(np.concatenate(batch.positions))
             try:
                 blocks = self._blocks(peer, src, dst, plans[0], positions=positions, coalesced=plans[1])
                 await ctx.poller.write(peer.session_id, blocks, timeout=batch.deadline.remaining(), hold=hold)

@@ -98,12 +98,17 @@ def alloc_metadata_buffer(
     """Allocate one aux buffer ``(slots, *item_shape)`` as a torch tensor on the device the rule picks.
 
     Host buffers are pinned when CUDA is available (faster engine reads); device buffers are used with
-    ``INTRA_NODE_NVLINK`` so the engine can move them over NVLink.
+    ``INTRA_NODE_NVLINK`` so the engine can move them over NVLink. Raises :class:`ConfigError` when the rule
+    picks a device this process cannot use.
     """
     import torch
 
     device = metadata_device(pool, device_id)
     if device != "cpu":
+        index = int(device.partition(":")[2] or 0)
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise ConfigError(f"INTRA_NODE_NVLINK puts aux buffers on {device}, which this process cannot use "
+                              f"({torch.cuda.device_count()} CUDA devices visible)")
         return torch.zeros((slots, *item_shape), dtype=dtype, device=device)
     pin = bool(torch.cuda.is_available())
     return torch.zeros((slots, *item_shape), dtype=dtype, pin_memory=pin)

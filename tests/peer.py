@@ -62,7 +62,19 @@ class Peer:
             import torch
 
             self.kv = [torch.from_numpy(b).to(ns.device) for b in self.kv]  # host: the same memory
-        self.aux = make_buffers(ns.aux_buffers, ns.aux_slots, ns.aux_item_len, ns.seed) if ns.aux_buffers else []
+        self.aux: list[Any] = make_buffers(ns.aux_buffers, ns.aux_slots, ns.aux_item_len, ns.seed) if ns.aux_buffers else []
+        if ns.mem_pool and self.aux:  # aux where the pool puts it (INTRA_NODE_NVLINK: on the device)
+            import torch
+
+            from aiotransfer.aux_state import alloc_metadata_buffer
+
+            device_id = int(ns.device.partition(":")[2] or 0) if ns.device.startswith("cuda") else None
+            placed = []
+            for b in self.aux:
+                t = alloc_metadata_buffer(b.shape[0], (b.shape[1],), torch.uint8, pool=ns.mem_pool, device_id=device_id)
+                t.copy_(torch.from_numpy(b))
+                placed.append(t)
+            self.aux = placed
         self.state: dict[str, list[np.ndarray]] = {}
         for i, spec in enumerate(ns.state or []):
             kind, nbuf, slots, item_len = spec.split(":")
@@ -199,7 +211,8 @@ class Peer:
         ns = self.ns
         device_id = int(ns.device.partition(":")[2] or 0) if ns.device.startswith("cuda") else None
         cfg = TransferConfig.from_env(engine=ns.engine, handshake_timeout=ns.handshake_timeout,
-                                      staging_backend=ns.staging_backend, device_id=device_id)
+                                      staging_backend=ns.staging_backend, device_id=device_id,
+                                      custom_mem_pool=ns.mem_pool or None)
         layer_ids = [int(x) for x in ns.layer_ids.split(",")] if ns.layer_ids else None
         args = KVArgs(self.kv, page_size=ns.page_size, dtype=ns.dtype, aux_buffers=self.aux, state_buffers=self.state,
                       layout=ns.layout, tp_size=ns.tp_size, tp_rank=ns.tp_rank, kv_heads=ns.kv_heads,
@@ -253,6 +266,7 @@ def main() -> None:
     p.add_argument("--handshake-timeout", type=float, default=10.0)
     p.add_argument("--staging-backend", choices=("auto", "numpy", "torch"), default="auto",
                    help="TransferConfig.staging_backend; torch registers the KV buffers as torch tensors")
+    p.add_argument("--mem-pool", default="", help="TransferConfig.custom_mem_pool; aux buffers placed by it")
     p.add_argument("--device", default="cpu", help="where the KV buffers live (cuda:N: torch tensors there)")
     asyncio.run(Peer(p.parse_args()).run())
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from aiotransfer import AuxPath, ConfigError, KVArgs, KVManager, KVPoll, TransferConfig, TransferFailed
-from aiotransfer.aux_state import MemPool, StateType, metadata_device, select_aux_path
+from aiotransfer.aux_state import MemPool, StateType, alloc_metadata_buffer, metadata_device, select_aux_path
 from aiotransfer.engines.base import EngineStatus
 from aiotransfer.errors import EngineError
 from tests.conftest import expected_digest
@@ -94,6 +94,16 @@ def test_pool_parsing_and_metadata_device() -> None:
     assert metadata_device("NVLINK", 3) == "cpu"
     assert metadata_device(None, None) == "cpu"
     assert TransferConfig.from_env({"AIOTRANSFER_SEND_AUX_TCP": "1"}).aux_path is AuxPath.TCP
+
+
+def test_alloc_metadata_buffer_places_aux_by_the_pool() -> None:
+    torch = pytest.importorskip("torch")
+    host = alloc_metadata_buffer(8, (4,), torch.int32)
+    assert (tuple(host.shape), host.dtype, str(host.device)) == ((8, 4), torch.int32, "cpu")
+    assert str(alloc_metadata_buffer(2, (16,), torch.float32, pool="NVLINK").device) == "cpu"
+    if not torch.cuda.is_available():  # the device the rule picks must exist, or the error says so
+        with pytest.raises(ConfigError, match="INTRA_NODE_NVLINK puts aux buffers on cuda:1"):
+            alloc_metadata_buffer(8, (4,), torch.int32, pool="INTRA_NODE_NVLINK", device_id=1)
 
 
 # -- aux over a real engine -------------------------------------------------------------------

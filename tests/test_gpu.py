@@ -131,3 +131,34 @@ async def test_device_staging_against_direct_on_10k_scattered_pages(gpu_engine: 
         print(f"{gpu_engine}: device staging is {results['never'] / results['always']:.1f}x direct")
     finally:
         await decode.close()
+
+
+async def test_nvlink_aux_on_the_device_moves_on_the_engine_path(gpu_engine: str) -> None:
+    """INTRA_NODE_NVLINK: aux buffers allocated on the device on both sides, sent by the engine, byte-exact."""
+    import torch
+
+    from aiotransfer.aux_state import alloc_metadata_buffer
+
+    geometry: dict[str, Any] = {"buffers": 2, "pages": 64, "item_len": 4096}
+    bufs = make_buffers(geometry["buffers"], geometry["pages"], geometry["item_len"], seed=21)
+    aux_host = make_buffers(1, 16, 64, seed=22)[0]
+    aux = alloc_metadata_buffer(16, (64,), torch.uint8, pool="INTRA_NODE_NVLINK", device_id=0)
+    aux.copy_(torch.from_numpy(aux_host))
+    assert str(aux.device) == DEVICE
+    cfg = TransferConfig(engine=gpu_engine, device_id=0, custom_mem_pool="INTRA_NODE_NVLINK")
+    decode = await RemotePeer.start(gpu_engine, device=DEVICE, mem_pool="INTRA_NODE_NVLINK", aux_buffers=1,
+                                    aux_slots=16, aux_item_len=64, **geometry)
+    try:
+        async with KVManager(KVArgs(cuda_kv(bufs), page_size=16, dtype="uint8", aux_buffers=[aux]), cfg) as mgr:
+            tx = mgr.sender(1)
+            await decode.call("receiver", room=1, peer=mgr.endpoint, pages=[3, 4], aux_index=5, timeout=30)
+            await tx.wait_ready(timeout=30)
+            await tx.send_kv([0, 1], timeout=60)
+            await tx.send_aux(2, timeout=60)
+            await tx.done(timeout=60)
+            assert tx.aux_path == "engine"
+            assert (await decode.call("done", room=1, timeout=60))["status"] == "Success"
+            got = (await decode.call("aux_digest", slots=[5]))["digest"]
+            assert got == expected_digest([aux_host], [2])
+    finally:
+        await decode.close()

@@ -66,6 +66,7 @@ CASES: list[tuple[Side, Side]] = [
     (("page_first_kv_split", "HND", 16), ("layer_first", "NHD", 64)),
     (("layer_first", "HND", 64), ("layer_first", "HND", 16)),
     (("page_first", "HND", 1), ("page_first_kv_split", "NHD", 16)),
+    (("page_first", "NHD", 16), ("page_first", "NHD", 64)),
 ]
 
 

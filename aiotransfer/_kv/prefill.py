@@ -87,8 +87,10 @@ class PrefillSide:
         ):
             return "TP sizes differ: both sides must set kv_heads and total_kv_heads for head slicing"
         sliced = hello.tp_size != a.tp_size or hello.kv_heads != a.kv_heads
-        if hello.layout != a.layout or hello.head_order != a.head_order or ("HND" in (hello.head_order, a.head_order)
-                                                                          and (hello.page_size != a.page_size or sliced)):
+        resized = hello.page_size != a.page_size
+        token_major = a.head_order == hello.head_order == "NHD" and a.outer == hello.outer == 1
+        if hello.layout != a.layout or hello.head_order != a.head_order or (resized and not token_major) or (
+                "HND" in (hello.head_order, a.head_order) and sliced):
             pairing = self._stream_pairing(hello)
         else:
             pairing = pair_buffers(ctx.geometry, remote)

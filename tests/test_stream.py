@@ -104,6 +104,21 @@ async def test_layers_that_queue_up_are_posted_as_one_write(engine: str, decode:
         assert (await decode.call("digest", pages=dst))["digest"] == expected_digest(bufs, src)
 
 
+async def test_a_room_failed_before_its_layers_are_posted_posts_nothing(engine: str, decode: RemotePeer) -> None:
+    async with streamed_room(engine, decode, 9, 20, seed=6) as (mgr, tx, bufs, src, dst):
+        stream = tx.stream(src)
+        call = asyncio.ensure_future(stream.send_layers(0))
+        await asyncio.sleep(0)  # the call has queued its layer; the write is posted on the next iteration
+        await tx.abort("scheduler gave up")  # fails the room before that
+        with pytest.raises(TransferFailed, match="scheduler gave up"):
+            await call
+        await tx.released(timeout=10)
+        await asyncio.sleep(0.2)
+        assert mgr.stats().get("layer_writes", 0) == 0, "a write was posted for a failed room"
+        zeros = [np.zeros_like(b) for b in bufs]
+        assert (await decode.call("digest", pages=dst))["digest"] == expected_digest(zeros, dst)
+
+
 async def test_bad_stream_calls_are_refused_before_any_byte_moves(engine: str, decode: RemotePeer) -> None:
     async with streamed_room(engine, decode, 2, 40) as (mgr, tx, bufs, src, dst):
         stream = tx.stream(src[:20], last=False)

@@ -308,6 +308,8 @@ class Pusher:
         async def post() -> None:
             if self._batches.get(key) is batch:
                 del self._batches[key]
+            if all(w.cancelled() for w in batch.waiters):  # every caller gave up (the room failed): post nothing
+                return
             positions = batch.positions[0] if len(batch.positions) == 1 else np.sort(np.concatenate(batch.positions))
             try:
                 blocks = self._blocks(peer, src, dst, plans[0], positions=positions, coalesced=plans[1])

@@ -235,3 +235,9 @@ def test_a_normal_mooncake_start_logs_no_error() -> None:
     assert "Local segment descriptor not found" not in out.stderr
     assert not [line for line in out.stderr.splitlines() if line.startswith("E")], out.stderr
     assert "Using default malloc/free for protocol: tcp" in out.stderr  # other lines still pass
+
+
+def test_mooncake_registers_gpu_memory_at_its_device() -> None:
+    """Regions on a GPU are registered at ``cuda:N`` (Mooncake's location name); host memory at ``*``."""
+    assert [mc.memory_location(d) for d in ("cuda:0", "cuda:3", "cuda", "cpu", "npu:1")] == [
+        "cuda:0", "cuda:3", "cuda:0", "*", "*"]

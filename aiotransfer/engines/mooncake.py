@@ -80,6 +80,7 @@ __all__ = [
     "MooncakeEngine",
     "MooncakeSetup",
     "installed_transport",
+    "memory_location",
     "select_mooncake_setup",
 ]
 
@@ -127,6 +128,15 @@ def _free_port() -> int:
         sock.bind(("", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def memory_location(device: str) -> str:
+    """Mooncake's location for a region on ``device``: ``cuda:N`` for GPU memory (its NIC affinity and
+    GPUDirect path follow it), ``*`` (let Mooncake find out) for host memory and anything else."""
+    kind, _, index = device.partition(":")
+    if kind == "cuda":
+        return f"cuda:{int(index or 0)}"
+    return "*"
 
 
 def _visible_hcas(device_filter: str, root: str = "/sys/class/infiniband") -> list[str]:
@@ -371,7 +381,7 @@ class MooncakeEngine(EngineBase):
                 else:
                     fresh.append(r)
             for r in fresh:
-                rc = s.native.register_memory(r.ptr, r.nbytes)
+                rc = s.native.register_memory(r.ptr, r.nbytes, memory_location(r.device))
                 if rc != 0:
                     hint = " (overlaps a region already registered)" if rc == _RC_ALREADY_REGISTERED else ""
                     raise EngineError(f"register_memory({r.ptr:#x}, {r.nbytes}) failed with {rc}{hint}", code=rc)

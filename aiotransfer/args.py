@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .convert import PageGeometry
+from .convert import PageGeometry, page_geometry
 from .errors import InvalidArgument
 
 __all__ = ["Buffer", "KVArgs", "resolve_buffer"]
@@ -227,14 +227,5 @@ class KVArgs:
     def page_geometry(self) -> PageGeometry | str:
         """How this rank pages its KV, for conversion between layouts: needs ``kv_heads`` (and ``num_layers``
         for the page-first layouts); returns the reason when it cannot be told."""
-        if not self.kv_heads:
-            return "kv_heads is not set, so the heads inside a page are unknown"
-        planes_per_buffer = self.outer
-        if planes_per_buffer > 1 and not self.num_layers:
-            return f"num_layers is not set for the {self.layout} layout"
-        layers = self.num_layers or (len(self.kv) if self.is_mla else len(self.kv) // 2)
-        item = self.kv[0].item_len
-        per_head = planes_per_buffer * self.page_size * self.kv_heads
-        if layers < 1 or item % per_head or any(b.item_len != item for b in self.kv):
-            return f"KV pages of {item} bytes are not {planes_per_buffer} x {self.page_size} tokens x {self.kv_heads} heads"
-        return PageGeometry(self.layout, self.head_order, self.page_size, self.kv_heads, item // per_head, layers)
+        return page_geometry(self.layout, self.head_order, self.page_size, self.kv_heads,
+                             [b.item_len for b in self.kv], self.num_layers)

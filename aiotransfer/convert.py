@@ -41,6 +41,7 @@ __all__ = [
     "HeadOrder",
     "PageGeometry",
     "check_convertible",
+    "page_geometry",
     "plane_views",
     "stream_nbytes",
     "gather_tokens",
@@ -138,6 +139,29 @@ class PageGeometry:
     def page_bytes(self) -> int:
         """Bytes of one page of one buffer (its item length)."""
         return self.planes_per_buffer * self.block_bytes
+
+
+def page_geometry(
+    layout: str, head_order: str, page_size: int, kv_heads: int, item_lens: Sequence[int], num_layers: int
+) -> PageGeometry | str:
+    """The geometry of one rank's pages from what it declares (``KVArgs``, or a peer's registration): its
+    layout, head order, tokens per page, KV heads, item length per KV buffer and layers (0: one buffer per
+    plane). Returns the reason when that does not describe whole heads of every token."""
+    if not kv_heads:
+        return "kv_heads is not set, so the heads inside a page are unknown"
+    paged_layers = layout in (KVLayout.PAGE_FIRST.value, KVLayout.PAGE_FIRST_KV_SPLIT.value)
+    if paged_layers and not num_layers:
+        return f"num_layers is not set for the {layout} layout"
+    layers = num_layers or (len(item_lens) if layout == KVLayout.MLA.value else len(item_lens) // 2)
+    per_buffer = (2 * layers if layout == KVLayout.PAGE_FIRST.value else layers) if paged_layers else 1
+    item = item_lens[0] if item_lens else 0
+    per_head = per_buffer * page_size * kv_heads
+    if layers < 1 or not item or item % per_head or any(n != item for n in item_lens):
+        return f"KV pages of {item} bytes are not {per_buffer} x {page_size} tokens x {kv_heads} heads"
+    try:
+        return PageGeometry(layout, head_order, page_size, kv_heads, item // per_head, layers)
+    except InvalidArgument as exc:
+        return str(exc)
 
 
 def check_convertible(src: PageGeometry, dst: PageGeometry) -> str | None:

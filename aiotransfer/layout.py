@@ -20,8 +20,9 @@ id (PP stages, draft layers); otherwise by position.
 Page sizes may differ when one divides the other and pages are token-major (``layer_first``, ``mla``): both
 sides are then seen as *units* of ``g = min(P, D)`` tokens, ``P / g`` per source page and ``D / g`` per
 destination page, and every plan works on units as it would on pages (runs of units coalesce across page
-boundaries). The page-first layouts interleave layers inside a page, so their tokens are not contiguous and
-a page-size difference is refused for them.
+boundaries). Page-first and head-major pages do not hold a token's rows together, so :func:`pair_buffers`
+refuses a page-size difference between them; the prefill converts such peers as a token stream instead
+(:mod:`aiotransfer.convert`).
 """
 
 from __future__ import annotations

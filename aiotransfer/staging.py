@@ -237,21 +237,16 @@ class HostCopier:
                       self._slice(buffers, pages, sl, off))
 
 
-def staging_backend(requested: str, kv_device: str, torch_available: bool) -> str:
-    """The copier a rank uses (``TransferConfig.staging_backend``): ``numpy`` or ``torch``.
-
-    ``auto`` picks torch for KV on a device and NumPy for host memory; ``numpy`` cannot reach device memory;
-    ``torch`` needs torch."""
-    if requested not in ("auto", "numpy", "torch"):
-        raise ConfigError(f"staging_backend must be auto, numpy or torch, got {requested!r}")
+def staging_backend(requested: str, kv_device: str) -> str:
+    """The copier a rank uses: ``numpy`` or ``torch``, from ``TransferConfig.staging_backend`` (which checked
+    the value and that torch is there when asked for). ``auto`` picks torch for KV on a device and NumPy
+    for host memory; ``numpy`` cannot reach device memory."""
     on_device = kv_device != "cpu"
     if requested == "auto":
         return "torch" if on_device else "numpy"
     if requested == "numpy" and on_device:
         raise ConfigError(f"staging_backend='numpy' cannot copy KV that lives on {kv_device}: use 'auto' or "
                           "'torch' (or staging='never' for the direct path)")
-    if requested == "torch" and not torch_available:
-        raise ConfigError("staging_backend='torch' needs torch: pip install 'aiotransfer[torch]'")
     return requested
 
 

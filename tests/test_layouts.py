@@ -9,8 +9,9 @@ import hashlib
 import numpy as np
 import pytest
 
-from aiotransfer import KVArgs, KVManager, KVPoll, TransferConfig, TransferFailed
+from aiotransfer import KVArgs, KVManager, TransferConfig, TransferFailed
 from tests.remote import RemoteError, RemotePeer
+from tests.test_page_sizes import send_in_two_chunks
 
 H, HB, LAYERS = 4, 8, 2
 PLANES = 2 * LAYERS
@@ -93,12 +94,7 @@ async def _room(engine: str, ours: Side, theirs: Side, tokens: int, d_tp: int = 
             for peer in peers:
                 await peer.call("receiver", room=1, peer=mgr.endpoint, pages=dst, num_tokens=tokens)
             await tx.wait_ready(timeout=10)
-            half = n_src // 2
-            if half:
-                await tx.send_kv(src[:half], last=False)
-            await tx.send_kv(src[half:])
-            await tx.done(timeout=10)
-            assert tx.poll() is KVPoll.Success
+            await send_in_two_chunks(tx, src)
             assert mgr.stats()["staged_pieces"] > 0
             for r, peer in enumerate(peers):
                 assert (await peer.call("done", room=1))["status"] == "Success"

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiotransfer import InvalidArgument, KVArgs, KVManager, KVPoll, TransferConfig
+from aiotransfer import InvalidArgument, KVArgs, KVManager, KVPoll, KVSender, TransferConfig
 from aiotransfer.layout import RankGeometry, pair_buffers
 from aiotransfer.plan import unit_span, units_of
 from tests.conftest import expected_digest
@@ -54,6 +54,16 @@ def zero_digest(num_pages: int, item_len: int) -> str:
     for _ in range(BUFFERS):
         h.update(bytes(num_pages * item_len))
     return h.hexdigest()
+
+
+async def send_in_two_chunks(tx: KVSender, src: list[int]) -> None:
+    """The room's pages as two chunks (one when it has a single page), then its Success."""
+    half = len(src) // 2
+    if half:
+        await tx.send_kv(src[:half], last=False)
+    await tx.send_kv(src[half:])
+    await tx.done(timeout=10)
+    assert tx.poll() is KVPoll.Success
 
 
 # -- the mapping -------------------------------------------------------------------------------------------
@@ -144,12 +154,7 @@ async def test_page_sizes_byte_exact(engine: str, p: int, d: int, tokens: int, s
             await peer.call("receiver", room=1, peer=mgr.endpoint, pages=dst, num_tokens=tokens)
             await tx.wait_ready(timeout=10)
             assert tx.num_pages == n_src
-            half = n_src // 2
-            if half:
-                await tx.send_kv(src[:half], last=False)
-            await tx.send_kv(src[half:])
-            await tx.done(timeout=10)
-            assert tx.poll() is KVPoll.Success
+            await send_in_two_chunks(tx, src)
             assert (await peer.call("done", room=1))["status"] == "Success"
             got = await peer.call("token_digest", pages=dst, num_tokens=tokens)
             assert got["digest"] == token_digest(rows, tokens)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import logging
 import secrets
 from collections import Counter
@@ -87,7 +86,6 @@ class RankContext:
         self.copier: ArenaCopier | None = staging[1] if staging is not None else None
         self.arena: StagingArena | None = self.copier.arena if self.copier is not None else None
         self.kv_bases = np.array([b.ptr for b in args.kv], dtype=np.uint64)
-        self.kv_item_lens = np.array([b.item_len for b in args.kv], dtype=np.uint64)
         self.aux_bases = np.array([b.ptr for b in args.aux], dtype=np.uint64)
         self.aux_item_lens = np.array([b.item_len for b in args.aux], dtype=np.uint64)
         self.compat = args.compat_hash()
@@ -210,7 +208,7 @@ def _started(part: _T | None) -> _T:
 def _copier(args: KVArgs, config: TransferConfig, views: list[np.ndarray] | None) -> tuple[str, ArenaCopier] | None:
     """The staging backend and its copier (which holds the arena, on the KV's device); None: staging off."""
     device = args.kv_device
-    backend = staging_backend(config.staging_backend, device, importlib.util.find_spec("torch") is not None)
+    backend = staging_backend(config.staging_backend, device)
     if not config.staging_bytes or config.staging == "never":
         return None
     if backend == "torch":

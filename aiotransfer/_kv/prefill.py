@@ -17,7 +17,7 @@ import numpy as np
 
 from ..aux_state import StateType
 from ..control.messages import PROTOCOL_VERSION, Abort, Hello, HelloAck, TransferRequest, unpack_indices
-from ..convert import PageGeometry, check_convertible
+from ..convert import check_convertible, page_geometry
 from ..errors import AiotransferError, EngineError, InvalidArgument, ProtocolError, TransferTimeout
 from ..layout import KVPairing, RankGeometry, pair_buffers
 from ..plan import check_range, check_unique
@@ -119,16 +119,10 @@ class PrefillSide:
         how = f"converting {a.layout}/{a.head_order} pages to the peer's {hello.layout}/{hello.head_order}"
         if isinstance(ours, str):
             return f"{how} needs our geometry: {ours}"
-        item = hello.kv[0].item_len if hello.kv else 0
-        per_head = hello.outer * hello.page_size * max(hello.kv_heads, 1)
-        layers = hello.num_layers or (len(hello.kv) if hello.layout == "mla" else len(hello.kv) // 2)
-        if not hello.kv_heads or item % per_head or layers < 1:
-            return f"{how} needs the peer's kv_heads and pages of whole heads"
-        try:
-            theirs = PageGeometry(hello.layout, hello.head_order, hello.page_size, hello.kv_heads, item // per_head,
-                                  layers)
-        except InvalidArgument as exc:
-            return f"{how}: {exc}"
+        theirs = page_geometry(hello.layout, hello.head_order, hello.page_size, hello.kv_heads,
+                               [b.item_len for b in hello.kv], hello.num_layers)
+        if isinstance(theirs, str):
+            return f"{how} needs the peer's geometry: {theirs}"
         if ctx.config.checksum:
             return f"{how}: checksums cover pages as laid out, so a converted peer cannot be checked (checksum off)"
         if ctx.arena is None or hello.staging is None:

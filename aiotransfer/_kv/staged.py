@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -23,7 +24,7 @@ from ..convert import gather_tokens, scatter_tokens
 from ..errors import AiotransferError, InvalidArgument, TransferFailed, TransferTimeout
 from ..layout import units_per_page
 from ..plan import Blocks, units_of
-from ..staging import ArenaCopier, RowSlice, StagingArena
+from ..staging import RowSlice, StagingArena
 from .context import RankContext, engine_failures
 from .ledger import joint
 from .peers import DecodePeer
@@ -322,100 +323,70 @@ class StagingGrantor:
             ctx.counters["staging_space_returned"] += 1
             ctx.spawn(ctx.reply(msg.endpoint, StagedAck(room=msg.room, req_id=msg.req_id, ok=True)), "staged-ack")
             return
-        if msg.stream:
-            self._on_stream(msg, room, off, nbytes)
-            return
         rx = self._lookup(msg.room)
-        pages = rx.pages if rx is not None else None
-        args, copier = ctx.args, ctx.copier
-        reason = None
-        k: int | None = None
         if room != msg.room or off != msg.offset or msg.nbytes > nbytes:
-            reason = "staged piece does not match its grant"
-        elif pages is None:
-            reason = f"room {msg.room} is not open here"
-        elif any(b >= len(args.kv) for b in msg.buffers) or copier is None:
-            reason = "staged piece names unknown buffers"
+            scatter: Callable[[], None] | str = "staged piece does not match its grant"
+        elif rx is None or rx.pages is None:
+            scatter = f"room {msg.room} is not open here"
+        elif msg.stream:
+            scatter = self._stream_scatter(msg, rx, off)
         else:
-            unit = msg.rows * msg.heads * msg.head_bytes
-            ks = {units_per_page(args.kv[b].item_len, args.page_size, args.outer, unit) for b in msg.buffers}
-            k = ks.pop() if len(ks) == 1 else None
-            if k is None:
-                reason = "staged row geometry does not match our pages"
-            elif msg.dst_start + msg.n_pages > pages.size * k:
-                reason = (f"staged units [{msg.dst_start}, {msg.dst_start + msg.n_pages}) exceed the "
-                          f"{pages.size * k} declared")
-        if reason is not None or pages is None or copier is None or k is None:
-            self._refuse(msg, off, nbytes, reason or "")
+            scatter = self._page_scatter(msg, rx.pages, off)
+        if isinstance(scatter, str):
+            arena.release(off, nbytes)
+            ctx.drop("invalid-staged", scatter)
+            ctx.spawn(ctx.reply(msg.endpoint, StagedAck(room=msg.room, req_id=msg.req_id, ok=False, reason=scatter)),
+                      "staged-nack")
             return
+        ctx.spawn(self._scatter(msg, scatter, off, nbytes), "scatter")
+
+    def _page_scatter(self, msg: Staged, pages: np.ndarray, off: int) -> Callable[[], None] | str:
+        """The copy of a piece of pages (or units of pages: ``k`` a page, 1 when the page sizes match) into
+        the room's pages, or why the piece does not fit them."""
+        args, copier = self._ctx.args, self._ctx.copier
+        if copier is None or any(b >= len(args.kv) for b in msg.buffers):
+            return "staged piece names unknown buffers"
+        unit = msg.rows * msg.heads * msg.head_bytes
+        ks = {units_per_page(args.kv[b].item_len, args.page_size, args.outer, unit) for b in msg.buffers}
+        k = ks.pop() if len(ks) == 1 else None
+        if k is None:
+            return "staged row geometry does not match our pages"
+        if msg.dst_start + msg.n_pages > pages.size * k:
+            return f"staged units [{msg.dst_start}, {msg.dst_start + msg.n_pages}) exceed the {pages.size * k} declared"
         first, last = msg.dst_start // k, -(-(msg.dst_start + msg.n_pages) // k)
         units = units_of(pages[first:last], k)[msg.dst_start - first * k :][: msg.n_pages]
-        ctx.spawn(self._scatter(msg, units, k, copier, off, nbytes), "scatter")
-
-    def _refuse(self, msg: Staged, off: int, nbytes: int, reason: str) -> None:
-        ctx = self._ctx
-        assert ctx.arena is not None
-        ctx.arena.release(off, nbytes)
-        ctx.drop("invalid-staged", reason)
-        ctx.spawn(ctx.reply(msg.endpoint, StagedAck(room=msg.room, req_id=msg.req_id, ok=False, reason=reason)),
-                  "staged-nack")
-
-    def _on_stream(self, msg: Staged, room: int, off: int, nbytes: int) -> None:
-        """A converted piece: tokens of the room, scattered with our own geometry."""
-        ctx = self._ctx
-        rx = self._lookup(msg.room)
-        pages = rx.pages if rx is not None else None
-        planes, geo = ctx.planes, ctx.page_geometry
-        t0, t1 = msg.dst_start, msg.dst_start + msg.n_pages
-        reason = ""
-        if room != msg.room or off != msg.offset or msg.nbytes > nbytes:
-            reason = "staged piece does not match its grant"
-        elif rx is None or pages is None:
-            reason = f"room {msg.room} is not open here"
-        elif planes is None or geo is None:
-            reason = "a converted piece came but our pages cannot be converted into"
-        elif not 0 <= t0 <= t1 <= rx.num_tokens:
-            reason = f"staged tokens [{t0}, {t1}) exceed the {rx.num_tokens} declared"
-        elif (msg.heads != geo.heads or msg.head_bytes != geo.head_bytes or msg.count < 1
-              or msg.start + msg.count > geo.heads):
-            reason = "staged head geometry does not match our pages"
-        elif msg.nbytes != len(planes) * (t1 - t0) * msg.count * msg.head_bytes:
-            reason = "staged piece size does not match its tokens"
-        if reason or pages is None or planes is None or geo is None:
-            self._refuse(msg, off, nbytes, reason)
-            return
-        arena = ctx.arena
-        assert arena is not None
-        src = arena.view[off : off + msg.nbytes]
-
-        async def scatter() -> None:
-            ok, why = True, ""
-            try:
-                await ctx.offload.run(scatter_tokens, planes, pages, geo.page_size, t0, t1, msg.start, msg.count, src,
-                                      timeout=ctx.config.transfer_timeout, what="staging scatter",
-                                      on_done=lambda: arena.release(off, nbytes))
-                ctx.counters["staged_pieces_received"] += 1
-            except Exception as exc:
-                ok, why = False, str(exc) if isinstance(exc, AiotransferError) else f"scatter failed: {exc!r}"
-            await ctx.reply(msg.endpoint, StagedAck(room=msg.room, req_id=msg.req_id, ok=ok, reason=why))
-
-        ctx.spawn(scatter(), "scatter")
-
-    async def _scatter(self, msg: Staged, units: np.ndarray, k: int, copier: ArenaCopier, off: int,
-                       nbytes: int) -> None:
-        """Scatter a piece into ``units`` of our pages (each page ``k`` units; 1 when the page sizes match)."""
-        ctx = self._ctx
-        arena = ctx.arena
-        assert arena is not None
         sl = RowSlice(msg.rows, msg.heads, msg.start, msg.count, msg.head_bytes)
-        counts = [ctx.args.kv[b].num_items * k for b in msg.buffers]
+        counts = [args.kv[b].num_items * k for b in msg.buffers]
+        return functools.partial(copier.scatter, list(msg.buffers), counts, units, sl, off)
+
+    def _stream_scatter(self, msg: Staged, rx: StagingRoom, off: int) -> Callable[[], None] | str:
+        """The copy of a converted piece (tokens of the room) into our pages with our own geometry, or why
+        the piece does not fit them."""
+        ctx = self._ctx
+        planes, geo, arena, pages = ctx.planes, ctx.page_geometry, ctx.arena, rx.pages
+        t0, t1 = msg.dst_start, msg.dst_start + msg.n_pages
+        if planes is None or geo is None or arena is None or pages is None:
+            return "a converted piece came but our pages cannot be converted into"
+        if not 0 <= t0 <= t1 <= rx.num_tokens:
+            return f"staged tokens [{t0}, {t1}) exceed the {rx.num_tokens} declared"
+        if msg.heads != geo.heads or msg.head_bytes != geo.head_bytes or msg.start + msg.count > geo.heads:
+            return "staged head geometry does not match our pages"
+        if msg.nbytes != len(planes) * (t1 - t0) * msg.count * msg.head_bytes:
+            return "staged piece size does not match its tokens"
+        return functools.partial(scatter_tokens, planes, pages, geo.page_size, t0, t1, msg.start, msg.count,
+                                 arena.view[off : off + msg.nbytes])
+
+    async def _scatter(self, msg: Staged, scatter: Callable[[], None], off: int, nbytes: int) -> None:
+        """Run a piece's copy into our pages on the offload thread, then ack it (with the reason on failure)."""
+        ctx = self._ctx
+        arena = ctx.arena
+        assert arena is not None
         ok, reason = True, ""
         try:
             # the granted space is freed once the scatter's thread is done reading it (its copies complete),
             # not when we stop waiting
-            await ctx.offload.run(copier.scatter, list(msg.buffers), counts, units, sl, off,
-                                  timeout=ctx.config.transfer_timeout,
-                                  what="staging scatter", on_done=lambda: arena.release(off, nbytes))
+            await ctx.offload.run(scatter, timeout=ctx.config.transfer_timeout, what="staging scatter",
+                                  on_done=lambda: arena.release(off, nbytes))
             ctx.counters["staged_pieces_received"] += 1
         except Exception as exc:  # the prefill learns why instead of waiting for an ack that never comes
             ok, reason = False, str(exc) if isinstance(exc, AiotransferError) else f"scatter failed: {exc!r}"

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -117,6 +118,29 @@ async def test_a_room_failed_before_its_layers_are_posted_posts_nothing(engine: 
         assert mgr.stats().get("layer_writes", 0) == 0, "a write was posted for a failed room"
         zeros = [np.zeros_like(b) for b in bufs]
         assert (await decode.call("digest", pages=dst))["digest"] == expected_digest(zeros, dst)
+
+
+async def test_a_large_layer_plan_is_computed_off_the_loop(engine: str, decode: RemotePeer,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the planning threshold a layer's entries are planned on the offload thread, as a chunk's are."""
+    from aiotransfer._kv import push
+
+    monkeypatch.setattr(push, "_PLAN_OFFLOAD_ENTRIES", 4)
+    threads: list[str] = []
+    real = push.Pusher._blocks
+
+    def recording(self: push.Pusher, *args: object, **kw: object) -> object:
+        threads.append(threading.current_thread().name)
+        return real(self, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(push.Pusher, "_blocks", recording)
+    async with streamed_room(engine, decode, 10, 40, seed=8) as (_mgr, tx, bufs, src, dst):
+        stream = tx.stream(src)
+        for layer in (0, 1):
+            await stream.send_layers(layer, timeout=10)
+        await tx.done(timeout=10)
+        assert (await decode.call("digest", pages=dst))["digest"] == expected_digest(bufs, src)
+    assert len(threads) == 2 and threading.main_thread().name not in threads, threads
 
 
 async def test_bad_stream_calls_are_refused_before_any_byte_moves(engine: str, decode: RemotePeer) -> None:

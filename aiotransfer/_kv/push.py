@@ -311,8 +311,14 @@ class Pusher:
             if all(w.cancelled() for w in batch.waiters):  # every caller gave up (the room failed): post nothing
                 return
             positions = batch.positions[0] if len(batch.positions) == 1 else np.sort(np.concatenate(batch.positions))
+            runs, coalesced = plans
             try:
-                blocks = self._blocks(peer, src, dst, plans[0], positions=positions, coalesced=plans[1])
+                if coalesced is not None and coalesced[2].size * positions.size > _PLAN_OFFLOAD_ENTRIES:
+                    blocks: Blocks = await ctx.offload.run(
+                        self._blocks, peer, src, dst, runs, positions, coalesced, timeout=batch.deadline.remaining(),
+                        what="transfer planning")
+                else:
+                    blocks = self._blocks(peer, src, dst, runs, positions=positions, coalesced=coalesced)
                 await ctx.poller.write(peer.session_id, blocks, timeout=batch.deadline.remaining(), hold=hold)
             except Exception as exc:  # every caller of the batch raises it (and fails the room)
                 batch.settle(exc)

@@ -8,8 +8,12 @@ whole never outlives its timeout, however many steps it takes.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
-__all__ = ["Deadline"]
+__all__ = ["Deadline", "within"]
+
+T = TypeVar("T")
 
 _FLOOR = 0.001
 """The least time a step is given, so that a step whose result is already there can still be collected."""
@@ -36,3 +40,43 @@ class Deadline:
 
     def __repr__(self) -> str:
         return f"<Deadline {self.at - self._loop.time():.3g}s left of {self.budget:.3g}s>"
+
+
+async def within(aw: Awaitable[T], timeout: float) -> T:
+    """``await aw`` for at most ``timeout`` seconds, then raise :class:`asyncio.TimeoutError` (``aw`` is
+    cancelled, as it is when the caller is).
+
+    Unlike ``asyncio.wait_for`` before Python 3.12, a cancellation of the caller is never swallowed: when it
+    comes in the same loop iteration as ``aw``'s result, ``wait_for`` returns the result and the caller goes
+    on as if never cancelled (an interrupted send would wait out its whole deadline). Here the caller is
+    cancelled and the result is dropped, so ``aw`` must be something whose result may be lost: an event, a
+    shielded future whose owner adopts it, a wait that takes nothing."""
+    loop = asyncio.get_running_loop()
+    inner = asyncio.ensure_future(aw)
+    if not inner.done():
+        waiter: asyncio.Future[None] = loop.create_future()
+
+        def wake(_: object = None) -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        timer = loop.call_later(max(timeout, 0.0), wake)
+        inner.add_done_callback(wake)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            _drop(inner)
+            raise
+        finally:
+            timer.cancel()
+            inner.remove_done_callback(wake)
+        if not inner.done():
+            _drop(inner)
+            raise asyncio.TimeoutError
+    return inner.result()
+
+
+def _drop(fut: asyncio.Future[Any]) -> None:
+    """Cancel what nobody waits for any more; its outcome, whatever it is, is collected, never reported."""
+    fut.cancel()
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())

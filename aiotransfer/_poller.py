@@ -29,12 +29,13 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
+from ._deadline import within
 from ._offload import Offloader
 from .engines.base import EngineStatus, TransferEngine, TransferHandle, WaitMode
 from .errors import ClosedError, EngineError, TransferTimeout
 from .plan import Blocks, split_blocks
 
-__all__ = ["Hold", "Poller"]
+__all__ = ["Credits", "Hold", "Poller"]
 
 Hold: TypeAlias = Callable[[], Callable[[], None]]
 """Takes one hold on something (a room's pages, an arena slice) and returns the function that gives it back."""
@@ -57,11 +58,11 @@ _SPIN_BYTES = 1 << 20
 """...or while the polled transfers in flight add up to at most this many bytes (about 0.5 ms of Mooncake TCP):
 then completions are imminent, and small concurrent requests keep their latency. Measured with 4 x 256 KiB in
 flight (``--phases concurrency``, two runs each): 1.20-1.25 GB/s spinning against 0.86-1.14 GB/s timed."""
-_SHARED_CREDITS: dict[tuple[int, str, int], _Credits] = {}
+_SHARED_CREDITS: dict[tuple[int, str, int], Credits] = {}
 """(engine scope, peer, event loop) -> credits; see :meth:`Poller._credits_for`."""
 
 
-class _Credits:
+class Credits:
     """Per-peer entry credits: ``acquire(n)`` waits until ``used + n <= cap``."""
 
     def __init__(self, cap: int) -> None:
@@ -76,20 +77,27 @@ class _Credits:
             return True
         return False
 
-    async def acquire(self, n: int) -> None:
+    async def acquire(self, n: int, deadline: float | None) -> None:
+        """Wait for ``n`` credits until the loop time ``deadline`` (None: no bound), then raise
+        :class:`TransferTimeout`. Credits granted just as the wait is cancelled go back at once."""
         if self.try_acquire(n):
             return
         n = min(n, self.cap)
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
         self._waiters.append((n, fut))
+        timer = None if deadline is None else loop.call_at(deadline, _no_credit, fut)
         try:
             await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
+        except BaseException:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self.release(n)  # granted just as we were cancelled
-            else:
+            elif (n, fut) in self._waiters:
                 self._waiters.remove((n, fut))
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     def release(self, n: int) -> None:
         self.used -= min(n, self.cap)
@@ -163,7 +171,7 @@ class Poller:
         self._on_done: dict[TransferHandle, Callable[[], None]] = {}
         self._holds: dict[TransferHandle, list[Callable[[], None]]] = {}
         self._blocking: dict[TransferHandle, asyncio.Future[None]] = {}
-        self._credits: dict[str, _Credits] = {}
+        self._credits: dict[str, Credits] = {}
         self._waiters: dict[str, _Waiter] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -212,7 +220,7 @@ class Poller:
             credits = self._credits_for(peer, loop)
             for piece in split_blocks(blocks, self.max_batch):
                 if not credits.try_acquire(len(piece)):
-                    await _bounded(credits.acquire(len(piece)), deadline, loop, "waiting for engine credit")
+                    await credits.acquire(len(piece), deadline)
                 submitting = hold() if hold is not None else None
                 try:
                     handle = await self._submit(peer, piece, deadline, loop, submitting, hold)
@@ -240,7 +248,7 @@ class Poller:
         if self.in_flight:
             self._idle.clear()
             try:
-                await asyncio.wait_for(self._idle.wait(), timeout)
+                await within(self._idle.wait(), timeout)
             except asyncio.TimeoutError:
                 log.warning("%d engine transfers still in flight at close; their memory stays pinned", self.in_flight)
         if self._task is not None:
@@ -254,7 +262,7 @@ class Poller:
         return self.in_flight
 
     # -- internals ------------------------------------------------------------------------------
-    def _credits_for(self, peer: str, loop: asyncio.AbstractEventLoop) -> _Credits:
+    def _credits_for(self, peer: str, loop: asyncio.AbstractEventLoop) -> Credits:
         """Credits are shared by every poller driving the same native engine on this loop: the per-peer
         queue limit belongs to the engine (Mooncake's is process-wide), not to one manager."""
         credits = self._credits.get(peer)
@@ -262,7 +270,7 @@ class Poller:
             key = (id(self.engine.credit_scope), peer, id(loop))
             credits = _SHARED_CREDITS.get(key)
             if credits is None or credits.cap != self.max_in_flight:
-                credits = _SHARED_CREDITS[key] = _Credits(self.max_in_flight)
+                credits = _SHARED_CREDITS[key] = Credits(self.max_in_flight)
             self._credits[peer] = credits
         return credits
 
@@ -446,6 +454,11 @@ async def _wait_all(
             raise TransferTimeout("engine transfer exceeded its deadline")
 
 
+def _no_credit(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_exception(TransferTimeout("waiting for engine credit exceeded its deadline"))
+
+
 async def _bounded(
     aw: Any, deadline: float | None, loop: asyncio.AbstractEventLoop, what: str
 ) -> Any:
@@ -453,7 +466,7 @@ async def _bounded(
         return await aw
     remaining = deadline - loop.time()
     try:
-        return await asyncio.wait_for(aw, max(remaining, 0.0))
+        return await within(aw, max(remaining, 0.0))
     except asyncio.TimeoutError:
         raise TransferTimeout(f"{what} exceeded its deadline") from None
 

@@ -101,7 +101,7 @@ class KVManager:
         self._receivers: dict[int, KVReceiver] = {}
         self._pusher = Pusher(ctx)
         self._notifier = Notifier(ctx, self._pusher)
-        self._grantor = StagingGrantor(ctx, self._receivers.get)
+        self._grantor = StagingGrantor(ctx, self._receivers.get, lambda room: self._life.rx.get(room))
         self._events = PeerEvents()
         self._life = Lifecycle(ctx, self._grantor, self._events.publish)
         self._prefill = PrefillSide(ctx, self._senders, self._life.tx, self._notifier, self._fail_rooms_with)

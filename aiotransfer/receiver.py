@@ -37,6 +37,10 @@ class KVReceiver(RoomSide):
         """Prefill ranks a transfer request may have reached (they may write into our pages)."""
         self._undrained: set[str] = set()
         self._quarantine: asyncio.TimerHandle | None = None
+        self._holds = 0
+        """Local copies into our pages still running (staged pieces being scattered)."""
+        self._held_release: str | None = None
+        """A release proven while local copies still ran: it takes effect once they are done."""
         self._aborting = False
         self._ctx = ctx
         self._client = client
@@ -198,7 +202,33 @@ class KVReceiver(RoomSide):
     def _release(self, cause: str) -> None:
         if self._quarantine is not None:
             self._quarantine.cancel()
+        if self._holds:  # no prefill write can land any more, but one of our own copies still writes here
+            self._held_release = self._held_release or cause
+            return
         super()._release(cause)
+
+    def hold(self) -> Callable[[], None]:
+        """A local copy into this room's pages starts (a staged piece's scatter): the pages are not released
+        before the returned callback runs, which the copy's owner calls once the copy can touch them no more."""
+        self._holds += 1
+        done = False
+
+        def back() -> None:
+            nonlocal done
+            if done:
+                return
+            done = True
+            self._holds -= 1
+            if not self._holds and self._held_release is not None:
+                cause, self._held_release = self._held_release, None
+                self._release(cause)
+
+        return back
+
+    @property
+    def local_holds(self) -> int:
+        """Local copies into this room's pages still running; its pages are not released before they end."""
+        return self._holds
 
     def on_drained(self, endpoint: str, cause: str = "drained") -> bool:
         """A prefill rank acknowledged the drain of this room, or was proven gone (``cause``); False when
@@ -228,9 +258,14 @@ class KVReceiver(RoomSide):
         if not await self._wait_released(deadline.at):
             raise TransferTimeout(
                 f"room {self.room}: pages not released within {deadline.budget:.3g}s "
-                f"({self._status.name}; waiting for {', '.join(self.awaiting_drain) or 'the room to end'})",
+                f"({self._status.name}; waiting for {self._waiting_for()})",
                 room=self.room, peer=self.peer,
             )
+
+    def _waiting_for(self) -> str:
+        if self._held_release is not None:
+            return f"{self._holds} local copies into the pages to end"
+        return ", ".join(self.awaiting_drain) or "the room to end"
 
     # -- reports from prefill ranks (the manager's decode side calls this) --------------------------
     def on_prefill_status(self, endpoint: str, rank: int, status: KVPoll, reason: str, aux_path: str = "") -> bool:

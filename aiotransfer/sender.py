@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ._deadline import Deadline
+from ._deadline import Deadline, within
 from ._kv.context import RankContext, annotate, validate_state_indices
 from ._kv.ledger import Ledger
 from ._kv.notify import Notifier
@@ -422,7 +422,7 @@ class KVSender(RoomSide):
         while self._chunks_in_flight > 1:  # our own chunk counts as one; wait for the others
             self._chunk_finished.clear()
             try:
-                await asyncio.wait_for(self._chunk_finished.wait(), deadline.remaining(0.0))
+                await within(self._chunk_finished.wait(), deadline.remaining(0.0))
             except asyncio.TimeoutError:
                 raise TransferTimeout(f"room {self.room}: earlier chunks did not finish in time",
                                       room=self.room, peer=self._peer_hint()) from None

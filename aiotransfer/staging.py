@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ._deadline import within
 from .errors import ConfigError, InvalidArgument, TransferTimeout
 
 __all__ = [
@@ -121,7 +122,7 @@ class StagingArena:
             if remaining <= 0:
                 raise TransferTimeout(f"no staging space for {n} bytes within {timeout:.3g}s")
             try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
+                await within(self._changed.wait(), remaining)
             except asyncio.TimeoutError:
                 continue
         return off

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,7 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiotransfer import KVArgs, KVManager, KVPoll, PeerEvent, TransferConfig, TransferFailed
+from aiotransfer import KVArgs, KVManager, KVPoll, PeerEvent, TransferConfig, TransferFailed, TransferTimeout
+from aiotransfer._kv.prefill import PrefillSide
+from aiotransfer.staging import HostCopier
 from tests.peer import digest, make_buffers
 from tests.remote import RemoteError, RemotePeer
 
@@ -185,6 +188,74 @@ async def test_aborted_staged_rooms_give_all_staging_space_back_on_both_sides(en
             assert digest(bufs, dst) == expected(src)
     finally:
         await prefill.close()
+
+
+async def test_an_aborted_room_is_not_released_while_its_own_scatter_still_writes_its_pages(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefill's drain proves none of its writes can land; a staged piece the decode is still copying from
+    its arena into the room's pages holds the release until that copy is over."""
+    entered, go = threading.Event(), threading.Event()
+    scatter = HostCopier.scatter
+
+    def held_scatter(self: HostCopier, *args: Any) -> None:
+        entered.set()
+        go.wait(30)
+        scatter(self, *args)
+
+    monkeypatch.setattr(HostCopier, "scatter", held_scatter)  # the decode runs here; the prefill is its own process
+    env = {"AIOTRANSFER_STAGING": "always", "AIOTRANSFER_STAGING_BYTES": str(8 << 20)}
+    prefill = await RemotePeer.start(engine, seed=SEED, env=env, **BIG)
+    try:
+        async with local_decode(engine, staging="always", staging_bytes=8 << 20) as (dec, _):
+            rx = await open_room(dec, prefill, 1, pages(128, 50))
+            send = asyncio.ensure_future(prefill.call("send_kv", room=1, pages=pages(128, 51)))
+            try:
+                assert await asyncio.to_thread(entered.wait, 30)  # a piece is being copied into the pages
+                await rx.abort("cancelled by the scheduler")
+                with contextlib.suppress(RemoteError):
+                    await send
+                for _ in range(500):
+                    if dec.stats()["drains_acknowledged"]:
+                        break
+                    await asyncio.sleep(0.01)
+                assert dec.stats()["drains_acknowledged"] == 1  # the prefill can write nothing more...
+                await asyncio.sleep(0.1)
+                assert not rx.is_released() and rx.local_holds == 1  # ...but our own copy still writes
+                with pytest.raises(TransferTimeout, match="local copies"):
+                    await rx.released(timeout=0.05)
+            finally:
+                go.set()
+            await rx.released(timeout=30)
+            assert rx.release_cause == "drained" and rx.local_holds == 0
+            assert dec.stats()["staging_bytes_in_use"] == 0
+    finally:
+        await prefill.close()
+
+
+async def test_a_prefill_that_missed_the_abort_learns_it_from_its_next_staging_request(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decode's abort is lost on its way; the prefill asks for staging space for the ended room and is
+    refused at once with the decode's reason, instead of waiting out its deadline for an answer."""
+    monkeypatch.setattr(PrefillSide, "on_abort", lambda self, msg: True)  # the abort never arrives here
+    decode = await RemotePeer.start(engine, env={"AIOTRANSFER_STAGING": "always"}, **BIG)
+    bufs = make_buffers(BIG["buffers"], BIG["pages"], BIG["item_len"], seed=SEED)
+    cfg = TransferConfig(engine=engine, staging="always")
+    try:
+        async with KVManager(KVArgs(bufs, page_size=16, dtype="uint8"), cfg) as mgr:
+            tx = mgr.sender(1)
+            await decode.call("receiver", room=1, peer=mgr.endpoint, pages=pages(64, 60))
+            await tx.wait_ready(timeout=10)
+            await decode.call("abort", room=1, reason="client went away")
+            t0 = time.monotonic()
+            with pytest.raises(TransferFailed, match="refused staging space: room 1 has ended here: "
+                                                     "aborted by decode: client went away"):
+                await tx.send_kv(pages(64, 61), timeout=20)
+            assert time.monotonic() - t0 < 5.0
+            assert (await decode.call("stats"))["stats"]["staging_refused_ended"] >= 1
+    finally:
+        await decode.close()
 
 
 async def test_an_abort_before_the_metadata_reaches_the_prefill(engine: str) -> None:

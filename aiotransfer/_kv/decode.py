@@ -83,8 +83,9 @@ class DecodeSide:
             return "checksum geometry does not match our buffers"
         k = ks.pop()  # units per page: the room's tokens, in the units the prefill wrote
         units = units_of(pages, k)[: -(-rx.num_tokens // (ctx.args.page_size // k))]
+        # the thread reads the room's pages: they are not released before it is done with them
         crcs = await ctx.offload.run(region_crcs, regions, counts, units, slices,
-                                     timeout=ctx.config.transfer_timeout, what="checksum verify")
+                                     timeout=ctx.config.transfer_timeout, what="checksum verify", on_done=rx.hold())
         got = fold(crcs)
         if got != msg.checksum:
             return f"checksum mismatch for data from prefill rank {msg.rank}: sent {msg.checksum:#010x}, got {got:#010x}"

@@ -259,22 +259,41 @@ class StagingRoom(Protocol):
     @property
     def num_tokens(self) -> int: ...
 
+    @property
+    def failure_reason(self) -> str | None: ...
+
+    def hold(self) -> Callable[[], None]: ...
+
 
 class StagingGrantor:
     """Decode side: grant arena space to a prefill rank's piece, then scatter it into the room's pages."""
 
-    def __init__(self, ctx: RankContext, lookup: Callable[[int], StagingRoom | None]) -> None:
+    def __init__(self, ctx: RankContext, lookup: Callable[[int], StagingRoom | None],
+                 ended: Callable[[int], StagingRoom | None]) -> None:
         self._ctx = ctx
         self._lookup = lookup
+        """An open room of ours, by number"""
+        self._ended = ended
+        """A room that ended here but still holds its pages, by number"""
         self._grants: dict[tuple[str, int], tuple[int, int, int]] = {}
         """(prefill endpoint, req id) -> (room, offset, nbytes) granted"""
 
     def on_request(self, msg: StageRequest) -> None:
+        ctx = self._ctx
         rx = self._lookup(msg.room)
-        if rx is None or msg.endpoint not in rx.sources:
-            self._ctx.drop("unknown-room", f"staging request for room {msg.room}")
+        if rx is not None and msg.endpoint in rx.sources:
+            ctx.spawn(self._grant(msg), "stage-grant")
             return
-        self._ctx.spawn(self._grant(msg), "stage-grant")
+        ended = self._ended(msg.room)
+        if ended is not None and msg.endpoint in ended.sources:
+            # the room ended here while that rank still sends (it has not heard why yet): it learns now, not
+            # at its deadline
+            ctx.counters["staging_refused_ended"] += 1
+            reason = f"room {msg.room} has ended here: {ended.failure_reason or 'done'}"
+            ctx.spawn(ctx.reply(msg.endpoint, StageGrant(room=msg.room, req_id=msg.req_id, offset=0, granted=False,
+                                                         reason=reason)), "stage-refuse")
+            return
+        ctx.drop("unknown-room", f"staging request for room {msg.room}")
 
     async def _grant(self, msg: StageRequest) -> None:
         arena = self._ctx.arena
@@ -338,7 +357,8 @@ class StagingGrantor:
             ctx.spawn(ctx.reply(msg.endpoint, StagedAck(room=msg.room, req_id=msg.req_id, ok=False, reason=scatter)),
                       "staged-nack")
             return
-        ctx.spawn(self._scatter(msg, scatter, off, nbytes), "scatter")
+        assert rx is not None
+        ctx.spawn(self._scatter(msg, scatter, off, nbytes, rx.hold()), "scatter")
 
     def _page_scatter(self, msg: Staged, pages: np.ndarray, off: int) -> Callable[[], None] | str:
         """The copy of a piece of pages (or units of pages: ``k`` a page, 1 when the page sizes match) into
@@ -376,17 +396,24 @@ class StagingGrantor:
         return functools.partial(scatter_tokens, planes, pages, geo.page_size, t0, t1, msg.start, msg.count,
                                  arena.view[off : off + msg.nbytes])
 
-    async def _scatter(self, msg: Staged, scatter: Callable[[], None], off: int, nbytes: int) -> None:
-        """Run a piece's copy into our pages on the offload thread, then ack it (with the reason on failure)."""
+    async def _scatter(self, msg: Staged, scatter: Callable[[], None], off: int, nbytes: int,
+                       unhold: Callable[[], None]) -> None:
+        """Run a piece's copy into our pages on the offload thread, then ack it (with the reason on failure).
+        ``unhold`` lets the room's pages be released: it runs with the arena's release, once the copy ends."""
         ctx = self._ctx
         arena = ctx.arena
         assert arena is not None
         ok, reason = True, ""
+
+        def done() -> None:
+            arena.release(off, nbytes)
+            unhold()
+
         try:
-            # the granted space is freed once the scatter's thread is done reading it (its copies complete),
-            # not when we stop waiting
+            # the granted space is freed, and the room's pages may be released, once the scatter's thread is
+            # done with them (its copies complete), not when we stop waiting
             await ctx.offload.run(scatter, timeout=ctx.config.transfer_timeout, what="staging scatter",
-                                  on_done=lambda: arena.release(off, nbytes))
+                                  on_done=done)
             ctx.counters["staged_pieces_received"] += 1
         except Exception as exc:  # the prefill learns why instead of waiting for an ack that never comes
             ok, reason = False, str(exc) if isinstance(exc, AiotransferError) else f"scatter failed: {exc!r}"

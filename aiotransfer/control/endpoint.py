@@ -27,6 +27,7 @@ from typing import Any, cast
 import zmq
 import zmq.asyncio
 
+from .._deadline import within
 from ..errors import ClosedError, PeerError, ProtocolError, TransferTimeout
 from .messages import Message, decode, encode
 
@@ -284,6 +285,6 @@ class ControlPlane:
 
         threading.Thread(target=term, name="aiotransfer-zmq-term", daemon=True).start()
         try:
-            await asyncio.wait_for(done.wait(), linger + 1.0)
+            await within(done.wait(), linger + 1.0)
         except asyncio.TimeoutError:
             log.warning("control sockets still draining after %.1fs; leaving them to a helper thread", linger)

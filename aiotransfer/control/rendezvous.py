@@ -12,6 +12,8 @@ import contextlib
 from collections.abc import Hashable, Iterator
 from typing import Generic, TypeVar
 
+from .._deadline import within
+
 __all__ = ["Rendezvous"]
 
 K = TypeVar("K", bound=Hashable)
@@ -49,7 +51,7 @@ class Rendezvous(Generic[K, V]):
     async def wait(fut: asyncio.Future[V], timeout: float) -> V | None:
         """The answer, or None when none arrived within ``timeout`` seconds."""
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+            return await within(asyncio.shield(fut), timeout)
         except asyncio.TimeoutError:
             return None
 

@@ -1,0 +1,82 @@
+"""Bounded waits that never swallow a cancellation: ``within``, the staging arena's wait for space, and the
+poller's wait for engine credit. Each race is built deterministically: the awaited thing completes and the
+waiter is cancelled in the same loop iteration (``asyncio.wait_for`` before Python 3.12 then returns the result
+and the waiter goes on as if never cancelled: an interrupted send waited out its whole deadline)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+
+from aiotransfer._deadline import within
+from aiotransfer._poller import Credits
+from aiotransfer.errors import TransferTimeout
+from aiotransfer.staging import StagingArena
+
+
+async def _race(wait: object, complete: object) -> asyncio.Task[str]:
+    """Start ``wait`` (a coroutine) in a task, then complete what it waits for and cancel it in one iteration."""
+
+    async def waiter() -> str:
+        await wait  # type: ignore[misc]
+        return "went on"
+
+    task = asyncio.ensure_future(waiter())
+    for _ in range(3):
+        await asyncio.sleep(0)  # the waiter is now parked
+    complete()  # type: ignore[operator]
+    task.cancel()
+    return task
+
+
+async def test_within_is_cancelled_when_the_cancellation_races_the_result() -> None:
+    event = asyncio.Event()
+    task = await _race(within(event.wait(), 10), event.set)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="asyncio.wait_for keeps the cancellation from 3.12 on")
+async def test_the_same_race_is_lost_by_wait_for_before_3_12() -> None:
+    """The control: the race above is real (on this Python, wait_for swallows it)."""
+    event = asyncio.Event()
+    task = await _race(asyncio.wait_for(event.wait(), 10), event.set)
+    assert await task == "went on"
+
+
+async def test_within_times_out_and_returns_results() -> None:
+    with pytest.raises(asyncio.TimeoutError):
+        await within(asyncio.Event().wait(), 0.01)
+    fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    asyncio.get_running_loop().call_later(0.01, fut.set_result, 7)
+    assert await within(fut, 5) == 7
+
+
+async def test_an_arena_wait_cancelled_as_space_frees_is_cancelled_and_takes_nothing() -> None:
+    arena = StagingArena(1 << 16)
+    off = await arena.acquire(1 << 16, 1)
+    task = await _race(arena.acquire(1 << 16, 10), lambda: arena.release(off, 1 << 16))
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert arena.in_use == 0
+
+
+async def test_credits_granted_as_the_wait_is_cancelled_go_back() -> None:
+    credits = Credits(4)
+    assert credits.try_acquire(4)
+    task = await _race(credits.acquire(4, None), lambda: credits.release(4))
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert credits.used == 0 and credits.try_acquire(4)
+
+
+async def test_a_credit_wait_ends_at_its_deadline_and_leaves_no_waiter() -> None:
+    credits = Credits(4)
+    assert credits.try_acquire(4)
+    loop = asyncio.get_running_loop()
+    with pytest.raises(TransferTimeout, match="engine credit"):
+        await credits.acquire(2, loop.time() + 0.02)
+    credits.release(4)
+    assert credits.used == 0 and credits.try_acquire(4)  # the expired wait took nothing and blocks no one

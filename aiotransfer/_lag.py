@@ -26,7 +26,6 @@ No dependency beyond NumPy (already a core dependency).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import time
 from typing import Any
@@ -84,8 +83,9 @@ class LoopLagMonitor:
         if task is None:
             return
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
-            await asyncio.wait_for(task, timeout)
+        await asyncio.wait({task}, timeout=timeout)  # the sampler's end; a cancellation of ours still propagates
+        if task.done() and not task.cancelled():
+            task.exception()  # collected: a sampler that failed is not reported as never retrieved
         if self._started_at is not None:
             self._elapsed += time.perf_counter() - self._started_at
             self._started_at = None

@@ -43,6 +43,20 @@ async def local_decode(engine: str, **cfg: Any) -> AsyncIterator[tuple[KVManager
         yield mgr, bufs
 
 
+@contextlib.asynccontextmanager
+async def local_prefill(engine: str, staging: str) -> AsyncIterator[KVManager]:
+    bufs = make_buffers(BIG["buffers"], BIG["pages"], BIG["item_len"], seed=SEED)
+    async with KVManager(KVArgs(bufs, page_size=16, dtype="uint8"), TransferConfig(engine=engine, staging=staging)) as mgr:
+        yield mgr
+
+
+async def ready_sender(mgr: KVManager, decode: RemotePeer, room: int, dst: list[int]) -> Any:
+    tx = mgr.sender(room)
+    await decode.call("receiver", room=room, peer=mgr.endpoint, pages=dst)
+    await tx.wait_ready(timeout=10)
+    return tx
+
+
 async def open_room(dec: KVManager, prefill: RemotePeer, room: int, dst: list[int]) -> Any:
     await prefill.call("sender", room=room)
     rx = dec.receiver(room, prefill.endpoint)
@@ -136,13 +150,9 @@ async def test_a_killed_prefill_is_proven_gone_within_the_bound(engine: str) -> 
 
 async def test_prefill_release_waits_for_the_handles_of_a_cancelled_send(engine: str) -> None:
     decode = await RemotePeer.start(engine, **BIG)
-    bufs = make_buffers(BIG["buffers"], BIG["pages"], BIG["item_len"], seed=SEED)
-    cfg = TransferConfig(engine=engine, staging="never")
     try:
-        async with KVManager(KVArgs(bufs, page_size=16, dtype="uint8"), cfg) as mgr:
-            tx = mgr.sender(1)
-            await decode.call("receiver", room=1, peer=mgr.endpoint, pages=pages(2000, 9))
-            await tx.wait_ready(timeout=10)
+        async with local_prefill(engine, "never") as mgr:
+            tx = await ready_sender(mgr, decode, 1, pages(2000, 9))
             send = asyncio.ensure_future(tx.send_kv(pages(2000, 10), timeout=30))
             await asyncio.sleep(0)  # the send is now posting its first batch (NIXL over shm moves all of it
             send.cancel()  # in ~40 ms, so the cancellation comes while the engine still has the batch)
@@ -240,13 +250,9 @@ async def test_a_prefill_that_missed_the_abort_learns_it_from_its_next_staging_r
     refused at once with the decode's reason, instead of waiting out its deadline for an answer."""
     monkeypatch.setattr(PrefillSide, "on_abort", lambda self, msg: True)  # the abort never arrives here
     decode = await RemotePeer.start(engine, env={"AIOTRANSFER_STAGING": "always"}, **BIG)
-    bufs = make_buffers(BIG["buffers"], BIG["pages"], BIG["item_len"], seed=SEED)
-    cfg = TransferConfig(engine=engine, staging="always")
     try:
-        async with KVManager(KVArgs(bufs, page_size=16, dtype="uint8"), cfg) as mgr:
-            tx = mgr.sender(1)
-            await decode.call("receiver", room=1, peer=mgr.endpoint, pages=pages(64, 60))
-            await tx.wait_ready(timeout=10)
+        async with local_prefill(engine, "always") as mgr:
+            tx = await ready_sender(mgr, decode, 1, pages(64, 60))
             await decode.call("abort", room=1, reason="client went away")
             t0 = time.monotonic()
             with pytest.raises(TransferFailed, match="refused staging space: room 1 has ended here: "

@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-__all__ = ["Deadline", "within"]
+__all__ = ["Deadline", "reap", "within"]
 
 T = TypeVar("T")
 
@@ -80,3 +80,17 @@ def _drop(fut: asyncio.Future[Any]) -> None:
     """Cancel what nobody waits for any more; its outcome, whatever it is, is collected, never reported."""
     fut.cancel()
     fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
+async def reap(task: asyncio.Task[Any], timeout: float) -> bool:
+    """Cancel a background task and wait at most ``timeout`` seconds for it to end; True when it did.
+
+    A cancellation of the caller is not swallowed (``suppress(CancelledError): await task`` would swallow
+    it), and the task's own outcome is collected, never reported as unretrieved."""
+    task.cancel()
+    await asyncio.wait({task}, timeout=max(timeout, 0.0))
+    if not task.done():
+        return False
+    if not task.cancelled():
+        task.exception()
+    return True

@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ._deadline import reap
+
 __all__ = ["LoopLagMonitor"]
 
 
@@ -82,10 +84,7 @@ class LoopLagMonitor:
         task, self._task = self._task, None
         if task is None:
             return
-        task.cancel()
-        await asyncio.wait({task}, timeout=timeout)  # the sampler's end; a cancellation of ours still propagates
-        if task.done() and not task.cancelled():
-            task.exception()  # collected: a sampler that failed is not reported as never retrieved
+        await reap(task, timeout)
         if self._started_at is not None:
             self._elapsed += time.perf_counter() - self._started_at
             self._started_at = None

@@ -11,10 +11,11 @@ restarted: ``on_restart`` fails the rooms of the old incarnation.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
+
+from ._deadline import reap
 
 __all__ = ["Liveness"]
 
@@ -53,9 +54,7 @@ class Liveness:
 
     async def aclose(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await reap(self._task, 1.0)
 
     def seen(self, endpoint: str) -> None:
         """A message arrived from ``endpoint``."""

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
-from ._deadline import within
+from ._deadline import reap, within
 from ._offload import Offloader
 from .engines.base import EngineStatus, TransferEngine, TransferHandle, WaitMode
 from .errors import ClosedError, EngineError, TransferTimeout
@@ -252,11 +252,7 @@ class Poller:
             except asyncio.TimeoutError:
                 log.warning("%d engine transfers still in flight at close; their memory stays pinned", self.in_flight)
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await reap(self._task, 1.0)
         for waiter in self._waiters.values():
             waiter.queue.put(None)
         return self.in_flight

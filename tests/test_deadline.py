@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from aiotransfer._deadline import within
+from aiotransfer._deadline import reap, within
 from aiotransfer._poller import Credits
 from aiotransfer.errors import TransferTimeout
 from aiotransfer.staging import StagingArena
@@ -80,3 +80,40 @@ async def test_a_credit_wait_ends_at_its_deadline_and_leaves_no_waiter() -> None
         await credits.acquire(2, loop.time() + 0.02)
     credits.release(4)
     assert credits.used == 0 and credits.try_acquire(4)  # the expired wait took nothing and blocks no one
+
+
+async def test_reap_ends_the_task_and_keeps_the_callers_cancellation() -> None:
+    ended = asyncio.Event()
+
+    async def background() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await ended.wait()  # a slow goodbye: reap waits for it
+
+    async def closer(task: asyncio.Task[None]) -> str:
+        await reap(task, 10)
+        return "went on"
+
+    task = asyncio.ensure_future(background())
+    await asyncio.sleep(0)
+    closing = asyncio.ensure_future(closer(task))
+    await asyncio.sleep(0.01)
+    closing.cancel()  # the caller is cancelled while it waits for the task's end
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    ended.set()
+    assert await reap(task, 1) and task.cancelled()
+    release = asyncio.Event()
+
+    async def stubborn() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await release.wait()  # ignores the cancellation until released
+
+    stuck = asyncio.ensure_future(stubborn())
+    await asyncio.sleep(0)
+    assert not await reap(stuck, 0.01)  # bounded: a task that does not end in time is reported, not awaited
+    release.set()
+    assert await reap(stuck, 1)

@@ -27,7 +27,7 @@ from typing import Any, cast
 import zmq
 import zmq.asyncio
 
-from .._deadline import within
+from .._deadline import reap, within
 from ..errors import ClosedError, PeerError, ProtocolError, TransferTimeout
 from .messages import Message, decode, encode
 
@@ -263,9 +263,7 @@ class ControlPlane:
         seconds to leave, on a helper thread so the event loop never blocks on it."""
         self._closed = True
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await reap(self._task, 1.0)
         for sock in self._out.values():
             sock.close(linger=int(linger * 1000))
         self._out.clear()

@@ -86,7 +86,7 @@ class Credits:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         self._waiters.append((n, fut))
-        timer = None if deadline is None else loop.call_at(deadline, _no_credit, fut)
+        timer = None if deadline is None else loop.call_at(deadline, _expire, fut, "waiting for engine credit")
         try:
             await fut
         except BaseException:
@@ -450,11 +450,6 @@ async def _wait_all(
             raise TransferTimeout("engine transfer exceeded its deadline")
 
 
-def _no_credit(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_exception(TransferTimeout("waiting for engine credit exceeded its deadline"))
-
-
 async def _bounded(
     aw: Any, deadline: float | None, loop: asyncio.AbstractEventLoop, what: str
 ) -> Any:
@@ -472,6 +467,6 @@ def _swallow(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
-def _expire(fut: asyncio.Future[None]) -> None:
+def _expire(fut: asyncio.Future[None], what: str = "engine transfer") -> None:
     if not fut.done():
-        fut.set_exception(TransferTimeout("engine transfer exceeded its deadline"))
+        fut.set_exception(TransferTimeout(f"{what} exceeded its deadline"))

@@ -11,6 +11,7 @@ import numpy as np
 from ._deadline import Deadline
 from ._kv.client import PrefillClient, Route
 from ._kv.context import RankContext, annotate, validate_state_indices
+from ._kv.ledger import Ledger
 from ._kv.notify import Notifier
 from ._kv.room import RoomSide
 from .errors import InvalidArgument, PeerError, TransferFailed, TransferTimeout
@@ -37,8 +38,8 @@ class KVReceiver(RoomSide):
         """Prefill ranks a transfer request may have reached (they may write into our pages)."""
         self._undrained: set[str] = set()
         self._quarantine: asyncio.TimerHandle | None = None
-        self._holds = 0
-        """Local copies into our pages still running (staged pieces being scattered)."""
+        self._ledger = Ledger(on_empty=self._copies_ended)
+        """Our own worker-thread copies into (or reads of) the room's pages still running."""
         self._held_release: str | None = None
         """A release proven while local copies still ran: it takes effect once they are done."""
         self._aborting = False
@@ -202,33 +203,25 @@ class KVReceiver(RoomSide):
     def _release(self, cause: str) -> None:
         if self._quarantine is not None:
             self._quarantine.cancel()
-        if self._holds:  # no prefill write can land any more, but one of our own copies still writes here
+        if self._ledger.held:  # no prefill write can land any more, but one of our own copies still writes here
             self._held_release = self._held_release or cause
             return
         super()._release(cause)
 
+    def _copies_ended(self) -> None:
+        if self._held_release is not None:
+            cause, self._held_release = self._held_release, None
+            self._release(cause)
+
     def hold(self) -> Callable[[], None]:
         """A local copy into this room's pages starts (a staged piece's scatter): the pages are not released
         before the returned callback runs, which the copy's owner calls once the copy can touch them no more."""
-        self._holds += 1
-        done = False
-
-        def back() -> None:
-            nonlocal done
-            if done:
-                return
-            done = True
-            self._holds -= 1
-            if not self._holds and self._held_release is not None:
-                cause, self._held_release = self._held_release, None
-                self._release(cause)
-
-        return back
+        return self._ledger.take()
 
     @property
     def local_holds(self) -> int:
         """Local copies into this room's pages still running; its pages are not released before they end."""
-        return self._holds
+        return self._ledger.held
 
     def on_drained(self, endpoint: str, cause: str = "drained") -> bool:
         """A prefill rank acknowledged the drain of this room, or was proven gone (``cause``); False when
@@ -264,7 +257,7 @@ class KVReceiver(RoomSide):
 
     def _waiting_for(self) -> str:
         if self._held_release is not None:
-            return f"{self._holds} local copies into the pages to end"
+            return f"{self._ledger.held} local copies into the pages to end"
         return ", ".join(self.awaiting_drain) or "the room to end"
 
     # -- reports from prefill ranks (the manager's decode side calls this) --------------------------

@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable, Mapping
 
 from ..control.messages import Abort, AuxData, Drained, Status
+from ..errors import AiotransferError
 from ..integrity import fold, region_crcs
 from ..layout import units_per_page
 from ..plan import units_of
@@ -53,7 +54,11 @@ class DecodeSide:
             self._ctx.drop("wrong-peer", f"status for room {msg.room} from {msg.endpoint}")
 
     async def _verified_status(self, rx: KVReceiver, msg: Status) -> None:
-        reason = await self._verify_checksum(rx, msg)
+        try:
+            reason = await self._verify_checksum(rx, msg)
+        except Exception as exc:  # the room fails with why, instead of waiting out done_timeout
+            detail = str(exc) if isinstance(exc, AiotransferError) else repr(exc)
+            reason = f"checksum could not be verified: {detail}"
         if reason is not None:
             self._ctx.counters["checksum_mismatches"] += 1
             log.error("room %d: %s", rx.room, reason)
@@ -71,9 +76,10 @@ class DecodeSide:
         slices, regions, counts, ks = [], [], [], set()
         for i in range(0, len(f), 6):
             rows, heads, start, count, hb, b = f[i : i + 6]
-            k = units_per_page(kv[b].item_len, ctx.args.page_size, ctx.args.outer, rows * heads * hb) if (
-                0 <= b < len(kv)) else None
-            if k is None or start + count > heads:
+            if min(rows, heads, count, hb) < 1 or start < 0 or start + count > heads or not 0 <= b < len(kv):
+                return "checksum geometry does not match our buffers"
+            k = units_per_page(kv[b].item_len, ctx.args.page_size, ctx.args.outer, rows * heads * hb)
+            if k is None:
                 return "checksum geometry does not match our buffers"
             ks.add(k)
             slices.append(RowSlice(rows, heads, start, count, hb))

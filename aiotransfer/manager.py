@@ -439,12 +439,15 @@ class KVManager:
         self._ctx.spawn(self._ctx.reply(msg.endpoint, pong), "pong")
 
     def _on_abort(self, msg: Abort) -> None:
-        if self._prefill.on_abort(msg):
-            return
-        if msg.reason.startswith("checksum mismatch"):
+        # a decode words every abort "aborted by decode: <why>"; a mismatch counts whether or not the room is
+        # still open here (it usually is not: the mismatch is found after our Success)
+        mismatch = msg.reason.removeprefix("aborted by decode: ").startswith("checksum mismatch")
+        if mismatch:
             self.counters["checksum_mismatches_reported"] += 1
             log.error("decode %s reports for room %d: %s", msg.endpoint, msg.room, msg.reason)
+        if self._prefill.on_abort(msg):
             return
-        if not self._decode.on_abort(msg):
-            self._ctx.drop("unknown-room", f"abort for room {msg.room}")
+        if mismatch or not self._decode.on_abort(msg):
+            if not mismatch:
+                self._ctx.drop("unknown-room", f"abort for room {msg.room}")
             self._prefill.drained_now(msg.room, msg.endpoint)  # nothing of that room is in flight here

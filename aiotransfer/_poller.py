@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 from ._deadline import reap, within
 from ._offload import Offloader
@@ -35,10 +35,20 @@ from .engines.base import EngineStatus, TransferEngine, TransferHandle, WaitMode
 from .errors import ClosedError, EngineError, TransferTimeout
 from .plan import Blocks, split_blocks
 
-__all__ = ["Credits", "Hold", "Poller"]
+__all__ = ["Credits", "Hold", "Poller", "WriteGuard", "joint"]
 
 Hold: TypeAlias = Callable[[], Callable[[], None]]
 """Takes one hold on something (a room's pages, an arena slice) and returns the function that gives it back."""
+
+
+class WriteGuard(Protocol):
+    """The room a write belongs to, as the poll loop sees it (:class:`aiotransfer._kv.ledger.Ledger`)."""
+
+    def take(self) -> Callable[[], None]:
+        """One hold on the room's pages; raises once they were released."""
+
+    def admit(self) -> None:
+        """Raises when the room may post no new engine write (terminal or released)."""
 
 log = logging.getLogger("aiotransfer.poller")
 
@@ -194,7 +204,7 @@ class Poller:
 
     async def write(
         self, peer: str, blocks: Blocks, *, timeout: float | None, on_done: Callable[[], None] | None = None,
-        hold: Hold | None = None,
+        guard: WriteGuard | None = None, hold: Hold | None = None,
     ) -> None:
         """Write ``blocks`` to ``peer``; returns when every entry landed, raises on failure/timeout.
 
@@ -202,9 +212,15 @@ class Poller:
         ``max_batch`` entries) done, before this coroutine resumes, and only while it is still waiting (not
         after a timeout or cancellation). It must not raise or block. Ignored for larger writes.
 
+        ``guard``: the room the write belongs to. Right before each engine submission ``guard.admit()`` is
+        asked (a room that failed or was released while this write waited for planning or credit posts
+        nothing more), and each submission and handle holds the room (``guard.take``) until it is over.
+
         ``hold``: taken while each submission runs and while each handle is in the engine, and given back
         once it is over there, whether or not this coroutine still waits (see the module docstring).
         """
+        if guard is not None:
+            hold = joint(guard.take, hold)
         if self._closed:
             raise ClosedError("poller is closed")
         if len(blocks) == 0:
@@ -221,7 +237,13 @@ class Poller:
             for piece in split_blocks(blocks, self.max_batch):
                 if not credits.try_acquire(len(piece)):
                     await credits.acquire(len(piece), deadline)
-                submitting = hold() if hold is not None else None
+                try:
+                    if guard is not None:
+                        guard.admit()  # the one gate: checked in the same loop iteration as the submission
+                    submitting = hold() if hold is not None else None
+                except BaseException:
+                    credits.release(len(piece))
+                    raise
                 try:
                     handle = await self._submit(peer, piece, deadline, loop, submitting, hold)
                 except BaseException:
@@ -460,6 +482,29 @@ async def _bounded(
         return await within(aw, max(remaining, 0.0))
     except asyncio.TimeoutError:
         raise TransferTimeout(f"{what} exceeded its deadline") from None
+
+
+def joint(*holds: Hold | None) -> Hold:
+    """One hold that takes every given hold (None ones skipped) and gives them all back together."""
+    parts = [h for h in holds if h is not None]
+
+    def take() -> Callable[[], None]:
+        backs: list[Callable[[], None]] = []
+        try:
+            for h in parts:
+                backs.append(h())  # noqa: PERF401 (those taken before a refusal are given back)
+        except BaseException:
+            for back in backs:
+                back()
+            raise
+
+        def give_back() -> None:
+            for back in backs:
+                back()
+
+        return give_back
+
+    return take
 
 
 def _swallow(fut: asyncio.Future[Any]) -> None:

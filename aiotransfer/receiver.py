@@ -38,7 +38,7 @@ class KVReceiver(RoomSide):
         """Prefill ranks a transfer request may have reached (they may write into our pages)."""
         self._undrained: set[str] = set()
         self._quarantine: asyncio.TimerHandle | None = None
-        self._ledger = Ledger(on_empty=self._copies_ended)
+        self._ledger = Ledger(room, on_empty=self._copies_ended)
         """Our own worker-thread copies into (or reads of) the room's pages still running."""
         self._held_release: str | None = None
         """A release proven while local copies still ran: it takes effect once they are done."""
@@ -52,7 +52,12 @@ class KVReceiver(RoomSide):
         self._pages: np.ndarray | None = None
         self._num_tokens = 0
         self._sent = False
-        self._succeeded: set[int] = set()
+        self._succeeded: set[str] = set()
+        """Prefill endpoints (sources of the route) that reported Success."""
+        self._routing = False
+        """``send_metadata`` is resolving where to ask: a failure meanwhile waits for it to decide."""
+        self._told: set[str] = set()
+        """Prefill ranks the abort of this room went to."""
         self.aux_index: int | None = None
         self.state_indices: dict[str, list[int]] = {}
         self.aux_path: str | None = None
@@ -132,17 +137,30 @@ class KVReceiver(RoomSide):
         self._sent = True
         self._pages = pages
         self._num_tokens = pages.size * ctx.args.page_size if num_tokens is None else num_tokens
+        self._routing = True  # a failure from here on leaves the decision to ask anyone to this call
         try:
-            self._route = await self._client.route(self.room, self.peer, self.prefill_dp_rank, pages, aux_index,
-                                                   states, deadline, -1 if num_tokens is None else num_tokens)
-            self._asked.update(self._route.sources)  # before sending: a request on its way may still land
-            await self._client.send(self._route, deadline)
+            try:
+                route = await self._client.route(self.room, self.peer, self.prefill_dp_rank, pages, aux_index,
+                                                 states, deadline, -1 if num_tokens is None else num_tokens)
+            finally:
+                self._routing = False
+            self._route = route
+            if self._failed():  # aborted or timed out while routing: nobody is asked
+                self._routed_after_failure()
+                raise TransferFailed(self._reason or "failed", room=self.room)
+            self._asked.update(route.sources)  # before sending: a request on its way may still land
+            for ep, req in route.requests:
+                if self._failed():  # the rest are not asked; those asked were told by the abort
+                    raise TransferFailed(self._reason or "failed", room=self.room)
+                await self._client.send_one(ep, req, deadline)
         except BaseException as exc:
             self._sent = False
             if isinstance(exc, (TransferTimeout, PeerError)):
                 annotate(exc, self.room, self.peer)
             if not isinstance(exc, InvalidArgument):
                 self.update(KVPoll.Failed, decode_reason(f"metadata not delivered: {str(exc) or type(exc).__name__}"))
+            if not self._asked and self._failed():
+                self._release("nothing-sent")
             raise
         self.update(KVPoll.WaitingForInput)
         self.aux_index = aux_index
@@ -174,12 +192,26 @@ class KVReceiver(RoomSide):
         self.update(KVPoll.Failed, reason)
         await self._notifier.abort(self.room, self._abort_targets(), reason)
 
+    def _failed(self) -> bool:
+        return self._status is KVPoll.Failed
+
+    def _routed_after_failure(self) -> None:
+        """The room failed while its route was resolved: no rank was asked. The routed ranks the abort did not
+        reach (it went out before the topology was known) are told now, so that none of them waits for our
+        metadata, and the pages are released: nothing was sent."""
+        missed = [ep for ep in self.prefill_endpoints if ep not in self._told]
+        ctx = self._ctx
+        if missed and ctx.started and not ctx.closed:
+            ctx.spawn(self._notifier.abort(self.room, missed, self._reason or "failed"), "abort")
+        self._release("nothing-sent")
+
     def _abort_targets(self) -> list[str]:
         """Every prefill rank that may hold the room: the routed ones, or else the ranks of the cached
         topology, or else the bootstrap address itself."""
-        if self._route is not None:
-            return self.prefill_endpoints
-        return self._client.known_ranks(self.peer) or [self.peer]
+        targets = self.prefill_endpoints if self._route is not None else (
+            self._client.known_ranks(self.peer) or [self.peer])
+        self._told.update(targets)
+        return targets
 
     # -- page lifecycle ---------------------------------------------------------------------------
     def _changed(self, status: KVPoll) -> None:
@@ -192,6 +224,8 @@ class KVReceiver(RoomSide):
                 # waits for our metadata fails at once instead of waiting out wait_ready
                 ctx.spawn(self._notifier.abort(self.room, self._abort_targets(), self._reason or "failed"),
                           "abort")
+            if self._routing:
+                return  # send_metadata decides, once its route is known, whether anyone was asked
             if not self._asked:
                 self._release("nothing-sent")  # no prefill rank was asked to write here
                 return
@@ -207,6 +241,8 @@ class KVReceiver(RoomSide):
             self._held_release = self._held_release or cause
             return
         super()._release(cause)
+        if self.is_released() and not self._ledger.closed:
+            self._ledger.close()  # no copy into the pages can start from here on
 
     def _copies_ended(self) -> None:
         if self._held_release is not None:
@@ -270,7 +306,9 @@ class KVReceiver(RoomSide):
         elif status is KVPoll.Success:
             if aux_path:
                 self.aux_path = aux_path
-            self._succeeded.add(rank)
+            if rank != self.sources[endpoint]:
+                return False  # a source speaks for its own rank only
+            self._succeeded.add(endpoint)  # counted by who sent it: one source cannot stand in for another
             if self._route is not None and len(self._succeeded) >= self._route.required:
                 self.update(KVPoll.Success)
         return True

@@ -71,8 +71,9 @@ class KVSender(RoomSide):
         on_released: Callable[[RoomSide, str], None] | None = None,
     ) -> None:
         super().__init__(room, on_terminal, on_released)
-        self._ledger = Ledger(on_empty=self._maybe_released)
-        """Every engine handle and worker-thread copy that may still touch this room's pages holds it."""
+        self._ledger = Ledger(room, on_empty=self._maybe_released, refusal=self._write_refusal)
+        """Every write path (from its first await to its end), engine handle and worker-thread copy that may
+        still touch this room's pages holds it; every engine submission asks it first."""
         self._ctx = ctx
         self._pusher = pusher
         self._notifier = notifier
@@ -118,12 +119,21 @@ class KVSender(RoomSide):
         that it has drained (nothing of it can write into their pages any more)."""
         if not self._status.is_terminal or self._ledger.held or self.is_released():
             return
+        self._ledger.close()  # nothing can take a hold on the pages from here on
         if self._status is KVPoll.Failed:
             self._release("drained")
             if self._dsts and self._ctx.started and not self._ctx.closed:
                 self._ctx.spawn(self._notifier.drained(self.room, list(self._dsts)), "drained")
         else:
             self._release("success")
+
+    def _write_refusal(self) -> str | None:
+        """Why this room may post no new engine write (asked right before every submission), or None."""
+        if self._status is KVPoll.Failed:
+            return self._reason or "failed"
+        if self._status is KVPoll.Success:
+            return f"room {self.room} already concluded"
+        return None
 
     @property
     def engine_holds(self) -> int:
@@ -288,6 +298,7 @@ class KVSender(RoomSide):
         src, start = reserved
         deadline = Deadline(ctx.config.transfer_timeout if timeout is None else timeout)
         self.update(KVPoll.Transferring)
+        give_back = self._ledger.take()  # before the first await: the room cannot be released under this call
         self._chunks_in_flight += 1
         t0 = time.monotonic()
         try:
@@ -298,6 +309,7 @@ class KVSender(RoomSide):
         finally:
             self._chunks_in_flight -= 1
             self._chunk_finished.set()
+            give_back()
 
     def _reserve(self, indices: Any, last: bool) -> tuple[np.ndarray, int] | None:
         """Check a chunk and reserve its slice of the decode's pages: ``(pages, start)``, or ``None`` on a
@@ -363,6 +375,7 @@ class KVSender(RoomSide):
         self._raise_if_failed()
         deadline = Deadline(ctx.config.transfer_timeout if timeout is None else timeout)
         t0 = time.monotonic()
+        give_back = self._ledger.take()  # before the first await: the room cannot be released under this call
         self._chunks_in_flight += 1  # this call; the stream itself holds one more until its chunk completes
         stream_held = complete
         try:
@@ -376,6 +389,7 @@ class KVSender(RoomSide):
         finally:
             self._chunks_in_flight -= 1 + int(stream_held)
             self._chunk_finished.set()
+            give_back()
 
     async def _run_layers(self, src: np.ndarray, start: int, layers: frozenset[int], complete: bool,
                           deadline: Deadline) -> None:
@@ -386,7 +400,7 @@ class KVSender(RoomSide):
         for d in real:
             ours, theirs, first = d.span(src, start)
             coros.append(self._pusher.write_kv_layers(self.room, d.peer, ours, theirs, layers, complete, deadline,
-                                                      dst_start=first, hold=self._ledger.take))
+                                                      dst_start=first, guard=self._ledger))
         await self._gather(coros)
         if complete:
             self.bytes_sent += sum(b.item_len for b in self._ctx.args.kv) * int(src.size) * len(real)
@@ -412,7 +426,7 @@ class KVSender(RoomSide):
         for d in real:
             ours, theirs, first = d.span(src, start)
             coros.append(self._pusher.write_kv(self.room, d.peer, ours, theirs, deadline, dst_start=first,
-                                               on_done=on_done, hold=self._ledger.take))
+                                               on_done=on_done, guard=self._ledger))
         await self._gather(coros)
         self.bytes_sent += sum(b.item_len for b in self._ctx.args.kv) * int(src.size) * len(real)
 
@@ -485,14 +499,18 @@ class KVSender(RoomSide):
         deadline = Deadline(ctx.config.transfer_timeout if timeout is None else timeout)
         self.update(KVPoll.Transferring)
         dsts = [d for d in self._real_dsts() if d.request.aux_index >= 0]
-        paths = await self._run_or_fail(asyncio.gather(*(
-            self._pusher.send_aux(self.room, d.peer, int(aux_index), d.request.aux_index, deadline,
-                                  hold=self._ledger.take)
-            for d in dsts
-        )))
-        self.aux_path = paths[0] if paths else None
-        self._aux_sent = True
-        await self._run_or_fail(self._maybe_conclude(deadline))
+        give_back = self._ledger.take()  # before the first await: the room cannot be released under this call
+        try:
+            paths = await self._run_or_fail(asyncio.gather(*(
+                self._pusher.send_aux(self.room, d.peer, int(aux_index), d.request.aux_index, deadline,
+                                      guard=self._ledger)
+                for d in dsts
+            )))
+            self.aux_path = paths[0] if paths else None
+            self._aux_sent = True
+            await self._run_or_fail(self._maybe_conclude(deadline))
+        finally:
+            give_back()
 
     async def send_state(self, states: Mapping[str, Any], *, timeout: float | None = None) -> None:
         """Send per-request state: ``{kind: local indices}`` (one slot for ``mamba``; pages for ``swa``/``nsa``).
@@ -523,14 +541,18 @@ class KVSender(RoomSide):
             raise TransferFailed(problem, room=self.room)
         deadline = Deadline(ctx.config.transfer_timeout if timeout is None else timeout)
         self.update(KVPoll.Transferring)
-        await self._run_or_fail(asyncio.gather(*(
-            self._pusher.write_state(self.room, d.peer, kind, np.asarray(idx, dtype=np.int64),
-                                     np.asarray(d.request.state_indices[kind], dtype=np.int64), deadline,
-                                     hold=self._ledger.take)
-            for d in self._real_dsts() for kind, idx in local.items()
-        )))
-        self._state_sent = True
-        await self._run_or_fail(self._maybe_conclude(deadline))
+        give_back = self._ledger.take()  # before the first await: the room cannot be released under this call
+        try:
+            await self._run_or_fail(asyncio.gather(*(
+                self._pusher.write_state(self.room, d.peer, kind, np.asarray(idx, dtype=np.int64),
+                                         np.asarray(d.request.state_indices[kind], dtype=np.int64), deadline,
+                                         guard=self._ledger)
+                for d in self._real_dsts() for kind, idx in local.items()
+            )))
+            self._state_sent = True
+            await self._run_or_fail(self._maybe_conclude(deadline))
+        finally:
+            give_back()
 
     async def done(self, timeout: float | None = None) -> None:
         """Wait for Success; raises :class:`TransferFailed` (with ``.reason``) or :class:`TransferTimeout`."""

@@ -124,9 +124,8 @@ class PrefillClient:
             endpoints=list(dict.fromkeys(endpoints)), required=mapping.required_responses, requests=requests,
         )
 
-    async def send(self, route: Route, deadline: Deadline) -> None:
-        for ep, req in route.requests:
-            await self._ctx.send(ep, req, deadline)
+    async def send_one(self, endpoint: str, req: TransferRequest, deadline: Deadline) -> None:
+        await self._ctx.send(endpoint, req, deadline)
 
     # -- registration ---------------------------------------------------------------------------------
     async def register(self, endpoint: str, deadline: Deadline) -> PrefillPeer:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._deadline import Deadline
-from .._poller import Hold
+from .._poller import WriteGuard
 from ..args import Buffer
 from ..config import AuxPath
 from ..control.messages import AuxData
@@ -224,21 +224,22 @@ class Pusher:
     # -- writes -----------------------------------------------------------------------------------
     async def write_kv(
         self, room: int, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, deadline: Deadline, *,
-        dst_start: int = 0, on_done: Callable[[], None] | None = None, hold: Hold | None = None,
+        guard: WriteGuard, dst_start: int = 0, on_done: Callable[[], None] | None = None,
     ) -> None:
         """Write one chunk to one decode rank. ``on_done`` (direct writes only) runs on the loop as soon as
-        the engine reports the write done, before the awaiting task resumes. ``hold`` is held by everything
-        that may touch the pages (engine handles, worker-thread copies) until it is over."""
+        the engine reports the write done, before the awaiting task resumes. ``guard`` is the room: the caller
+        holds it for the whole call, every engine submission asks it first, and everything that may touch the
+        pages (engine handles, worker-thread copies) holds it until it is over."""
         ctx = self._ctx
         pairing = peer.pairing
         if pairing.stream:  # units are tokens: ours and the peer's token slots, ``dst_start`` the first token
             size = pairing.src_units
-            await self.staging.write_tokens(room, peer, src[::size] // size, int(src.size), dst_start, deadline, hold)
+            await self.staging.write_tokens(room, peer, src[::size] // size, int(src.size), dst_start, deadline, guard)
             return
         runs = pair_runs(src.tolist(), dst.tolist()) if pairing.heads is None and src.size <= _FEW_PAGES else None
         slices = self._staging_slices(peer, src, dst, runs)
         if slices is not None:
-            await self.staging.write(room, peer, src, dst_start, slices, deadline, hold)
+            await self.staging.write(room, peer, src, dst_start, slices, deadline, guard)
         else:
             rows = pairing.rows_per_page if pairing.sliced else 1
             with engine_failures(room, peer.endpoint, "engine transfer"):
@@ -248,11 +249,11 @@ class Pusher:
                 else:
                     blocks = self._blocks(peer, src, dst, runs)
                 await ctx.poller.write(peer.session_id, blocks, timeout=deadline.remaining(), on_done=on_done,
-                                       hold=hold)
+                                       guard=guard)
             ctx.counters["kv_bytes_sent"] += blocks.nbytes
             ctx.counters["kv_entries_sent"] += len(blocks)
         if ctx.config.checksum:
-            await self._checksum_add(peer, room, src, deadline, hold)
+            await self._checksum_add(peer, room, src, deadline, guard)
 
     def _by_layer(self, peer: DecodePeer) -> bool:
         """Whether a chunk to ``peer`` can move layer by layer as direct entries (not when the buffers'
@@ -268,7 +269,7 @@ class Pusher:
 
     async def write_kv_layers(
         self, room: int, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, layers: frozenset[int],
-        complete: bool, deadline: Deadline, *, dst_start: int, hold: Hold | None = None,
+        complete: bool, deadline: Deadline, *, dst_start: int, guard: WriteGuard,
     ) -> None:
         """Write ``layers`` of one chunk to one decode rank; ``complete``: this call sends the chunk's last
         layers. A chunk that is staged, or whose pages hold every layer, moves whole on that call."""
@@ -284,26 +285,29 @@ class Pusher:
             del self._streamed[key]
         if not apart:
             if complete:
-                await self.write_kv(room, peer, src, dst, deadline, dst_start=dst_start, hold=hold)
+                await self.write_kv(room, peer, src, dst, deadline, dst_start=dst_start, guard=guard)
             return
         positions = self._layer_positions(peer, layers)
         if positions.size:
             batch = self._batches.get(key)
             if batch is None:  # the first layer of this loop iteration: later ones join it until it is posted
                 batch = self._batches[key] = _LayerBatch(deadline)
-                self._post_layers(key, batch, room, peer, src, dst, (runs, coalesced), hold)
+                self._post_layers(key, batch, room, peer, src, dst, (runs, coalesced), guard)
             done = batch.join(positions, deadline)
             with engine_failures(room, peer.endpoint, "engine transfer"):
                 await done
         if complete and ctx.config.checksum:
-            await self._checksum_add(peer, room, src, deadline, hold)
+            await self._checksum_add(peer, room, src, deadline, guard)
 
     def _post_layers(self, key: tuple[int, str, int], batch: _LayerBatch, room: int, peer: DecodePeer,
                      src: np.ndarray, dst: np.ndarray, plans: tuple[list[list[int]] | None, Runs | None],
-                     hold: Hold | None) -> None:
+                     guard: WriteGuard) -> None:
         """Post the layers that queue up for one chunk and decode rank as one engine write: a task that starts
-        on the next loop iteration, after the calls already scheduled (the other hooks) have joined."""
+        on the next loop iteration, after the calls already scheduled (the other hooks) have joined. The task
+        holds the room from now until it ends, and its submission asks the room first: a room that fails
+        while the batch waits (for its callers, planning or credit) posts nothing."""
         ctx = self._ctx
+        give_back = guard.take()
 
         async def post() -> None:
             if self._batches.get(key) is batch:
@@ -319,7 +323,7 @@ class Pusher:
                         what="transfer planning")
                 else:
                     blocks = self._blocks(peer, src, dst, runs, positions=positions, coalesced=coalesced)
-                await ctx.poller.write(peer.session_id, blocks, timeout=batch.deadline.remaining(), hold=hold)
+                await ctx.poller.write(peer.session_id, blocks, timeout=batch.deadline.remaining(), guard=guard)
             except Exception as exc:  # every caller of the batch raises it (and fails the room)
                 batch.settle(exc)
                 return
@@ -329,13 +333,16 @@ class Pusher:
             ctx.counters["layer_calls_batched"] += len(batch.waiters) - 1
             batch.settle(None)
 
-        # a write cancelled by the manager's close (before or while it runs) still resumes its callers
-        ctx.spawn(post(), f"layers-{room}").add_done_callback(
-            lambda _t: batch.settle(ClosedError("the manager closed while a layer write was pending")))
+        def ended(_task: object) -> None:
+            give_back()
+            # a write cancelled by the manager's close (before or while it runs) still resumes its callers
+            batch.settle(ClosedError("the manager closed while a layer write was pending"))
+
+        ctx.spawn(post(), f"layers-{room}").add_done_callback(ended)
 
     async def write_state(
         self, room: int, peer: DecodePeer, kind: str, src: np.ndarray, dst: np.ndarray, deadline: Deadline,
-        hold: Hold | None = None,
+        guard: WriteGuard,
     ) -> None:
         ctx = self._ctx
         bufs = ctx.args.state[kind]
@@ -346,11 +353,11 @@ class Pusher:
         lens = np.array([b.item_len for b in bufs], dtype=np.uint64)
         blocks = plan_blocks(bases, remote[0], lens, src, dst)
         with engine_failures(room, peer.endpoint, f"{kind} state transfer"):
-            await ctx.poller.write(peer.session_id, blocks, timeout=deadline.remaining(), hold=hold)
+            await ctx.poller.write(peer.session_id, blocks, timeout=deadline.remaining(), guard=guard)
         ctx.counters[f"state_{kind}_bytes_sent"] += blocks.nbytes
 
     async def send_aux(self, room: int, peer: DecodePeer, src_slot: int, dst_slot: int, deadline: Deadline,
-                       hold: Hold | None = None) -> str:
+                       guard: WriteGuard) -> str:
         """Deliver one aux slot to ``peer``; returns the path used (``engine`` or ``tcp``). On ``auto`` the
         engine attempt gets half the time left, so that a fallback to TCP still has the other half."""
         ctx = self._ctx
@@ -361,7 +368,7 @@ class Pusher:
             try:
                 t0 = time.monotonic()
                 budget = deadline.remaining() / 2 if fallback else deadline.remaining()
-                await ctx.poller.write(peer.session_id, blocks, timeout=budget, hold=hold)
+                await ctx.poller.write(peer.session_id, blocks, timeout=budget, guard=guard)
                 ctx.metrics.observe("aux_engine", time.monotonic() - t0)
                 ctx.counters["aux_engine"] += 1
                 log.debug("room %d: aux slot %d -> %s slot %d via engine", room, src_slot, peer.endpoint, dst_slot)
@@ -394,7 +401,7 @@ class Pusher:
 
     # -- checksums (prefill half) -----------------------------------------------------------------
     async def _checksum_add(self, peer: DecodePeer, room: int, src: np.ndarray, deadline: Deadline,
-                            hold: Hold | None) -> None:
+                            guard: WriteGuard) -> None:
         ctx = self._ctx
         assert ctx.kv_views is not None
         key = (room, peer.endpoint)
@@ -405,7 +412,7 @@ class Pusher:
         views = [ctx.kv_views[i] for i in idx]
         counts = [ctx.args.kv[i].num_items * peer.pairing.src_units for i in idx]
         await ctx.offload.run(acc.add, views, counts, src, timeout=deadline.remaining(), what="checksum",
-                              on_done=hold() if hold is not None else None)
+                              on_done=guard.take())
 
     def checksum_fields(self, room: int, peer: DecodePeer) -> tuple[int, list[int]]:
         """(checksum, slice geometry) to send with Success; (-1, []) when none was computed."""

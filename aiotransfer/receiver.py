@@ -13,7 +13,7 @@ from ._kv.client import PrefillClient, Route
 from ._kv.context import RankContext, annotate, validate_state_indices
 from ._kv.ledger import Ledger
 from ._kv.notify import Notifier
-from ._kv.room import RoomSide
+from ._kv.room import RoomSide, decode_reason
 from .errors import InvalidArgument, PeerError, TransferFailed, TransferTimeout
 from .plan import as_index_array, check_range, check_unique
 from .status import KVPoll
@@ -312,8 +312,3 @@ class KVReceiver(RoomSide):
             if self._route is not None and len(self._succeeded) >= self._route.required:
                 self.update(KVPoll.Success)
         return True
-
-
-def decode_reason(reason: str) -> str:
-    """A failure that started on the decode, worded the same on both sides."""
-    return reason if reason.startswith("aborted by decode") else f"aborted by decode: {reason or 'no reason given'}"

@@ -16,7 +16,7 @@ from ._kv.context import RankContext, annotate, validate_state_indices
 from ._kv.ledger import Ledger
 from ._kv.notify import Notifier
 from ._kv.peers import DecodePeer
-from ._kv.push import Pusher
+from ._kv.push import Pusher, RoomWrites
 from ._kv.room import RoomSide
 from .control.messages import TransferRequest
 from .errors import InvalidArgument, PeerError, TransferFailed, TransferTimeout
@@ -74,6 +74,8 @@ class KVSender(RoomSide):
         self._ledger = Ledger(room, on_empty=self._maybe_released, refusal=self._write_refusal)
         """Every write path (from its first await to its end), engine handle and worker-thread copy that may
         still touch this room's pages holds it; every engine submission asks it first."""
+        self._writes = RoomWrites(room, self._ledger)
+        """What push keeps for this room while it sends (it goes with the room)."""
         self._ctx = ctx
         self._pusher = pusher
         self._notifier = notifier
@@ -111,7 +113,7 @@ class KVSender(RoomSide):
                     self._interrupted.add(task)
                     task.cancel()
         if status.is_terminal:
-            self._pusher.forget(self.room)
+            self._writes.clear()
             self._maybe_released()
 
     def _maybe_released(self) -> None:
@@ -299,7 +301,7 @@ class KVSender(RoomSide):
         deadline = Deadline(ctx.config.transfer_timeout if timeout is None else timeout)
         self.update(KVPoll.Transferring)
         give_back = self._ledger.take()  # before the first await: the room cannot be released under this call
-        self._chunks_in_flight += 1
+        end_chunk = self._chunk()
         t0 = time.monotonic()
         try:
             await self._run_or_fail(self._run_chunk(src, start, deadline, conclude=last))
@@ -307,9 +309,31 @@ class KVSender(RoomSide):
             if last:
                 await self._run_or_fail(self._finish(deadline))
         finally:
-            self._chunks_in_flight -= 1
-            self._chunk_finished.set()
+            end_chunk()
             give_back()
+
+    def _chunk(self) -> Callable[[], None]:
+        """Count one chunk (a ``send_kv`` call, an open stream, a ``send_layers`` call) in flight until the
+        returned function runs (a second call does nothing): the room's one count of them, which the last
+        chunk waits on before Success."""
+        self._chunks_in_flight += 1
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                self._chunks_in_flight -= 1
+                self._chunk_finished.set()
+
+        return end
+
+    def _succeed(self) -> None:
+        """The one way the room concludes: every chunk landed, the declared aux and state too, and Success
+        has left for the decode rank(s) (or nothing moves: every decode rank made this rank a dummy)."""
+        self._kv_done = True
+        self._concluding = True
+        self.update(KVPoll.Success)
 
     def _reserve(self, indices: Any, last: bool) -> tuple[np.ndarray, int] | None:
         """Check a chunk and reserve its slice of the decode's pages: ``(pages, start)``, or ``None`` on a
@@ -329,8 +353,7 @@ class KVSender(RoomSide):
             # room still concludes Success on its last chunk so every prefill rank's status terminates.
             if last:
                 self._last_reserved = True
-                self._kv_done = True
-                self.update(KVPoll.Success)
+                self._succeed()
             return None
         remaining = self._num_dst_pages - self._cursor
         if src.size > remaining:
@@ -361,34 +384,34 @@ class KVSender(RoomSide):
             return KVStream(self.room, 0, layers, last, self._no_layers)
         src, start = reserved
         self.update(KVPoll.Transferring)
-        self._chunks_in_flight += 1
         return KVStream(self.room, int(src.size), layers, last,
-                        functools.partial(self._send_layers, src, start, last))
+                        functools.partial(self._send_layers, src, start, last, self._chunk()))
 
     async def _no_layers(self, layers: frozenset[int], complete: bool, timeout: float | None) -> None:
         return None  # a dummy rank's chunk: nothing moves
 
-    async def _send_layers(self, src: np.ndarray, start: int, last: bool, layers: frozenset[int], complete: bool,
-                           timeout: float | None) -> None:
+    async def _send_layers(self, src: np.ndarray, start: int, last: bool, end_stream: Callable[[], None],
+                           layers: frozenset[int], complete: bool, timeout: float | None) -> None:
+        """One ``send_layers`` call of a stream; the stream counts as a chunk in flight (``end_stream``) until
+        the call that sends its last layers ends."""
         ctx = self._ctx
         ctx.check_open()
         self._raise_if_failed()
         deadline = Deadline(ctx.config.transfer_timeout if timeout is None else timeout)
         t0 = time.monotonic()
         give_back = self._ledger.take()  # before the first await: the room cannot be released under this call
-        self._chunks_in_flight += 1  # this call; the stream itself holds one more until its chunk completes
-        stream_held = complete
+        end_call = self._chunk()
         try:
             await self._run_or_fail(self._run_layers(src, start, layers, complete, deadline))
             ctx.metrics.observe("send_layers", time.monotonic() - t0)
             if complete:
-                self._chunks_in_flight -= 1  # the chunk is complete: the stream's hold goes
-                stream_held = False
+                end_stream()  # the chunk is complete
                 if last:  # waits for every other call in flight, this chunk's other layers included
                     await self._run_or_fail(self._finish(deadline))
         finally:
-            self._chunks_in_flight -= 1 + int(stream_held)
-            self._chunk_finished.set()
+            end_call()
+            if complete:
+                end_stream()
             give_back()
 
     async def _run_layers(self, src: np.ndarray, start: int, layers: frozenset[int], complete: bool,
@@ -399,8 +422,8 @@ class KVSender(RoomSide):
         coros = []
         for d in real:
             ours, theirs, first = d.span(src, start)
-            coros.append(self._pusher.write_kv_layers(self.room, d.peer, ours, theirs, layers, complete, deadline,
-                                                      dst_start=first, guard=self._ledger))
+            coros.append(self._pusher.write_kv_layers(self._writes, d.peer, ours, theirs, layers, complete, deadline,
+                                                      dst_start=first))
         await self._gather(coros)
         if complete:
             self.bytes_sent += sum(b.item_len for b in self._ctx.args.kv) * int(src.size) * len(real)
@@ -425,8 +448,8 @@ class KVSender(RoomSide):
         coros = []
         for d in real:
             ours, theirs, first = d.span(src, start)
-            coros.append(self._pusher.write_kv(self.room, d.peer, ours, theirs, deadline, dst_start=first,
-                                               on_done=on_done, guard=self._ledger))
+            coros.append(self._pusher.write_kv(self._writes, d.peer, ours, theirs, deadline, dst_start=first,
+                                               on_done=on_done))
         await self._gather(coros)
         self.bytes_sent += sum(b.item_len for b in self._ctx.args.kv) * int(src.size) * len(real)
 
@@ -456,19 +479,17 @@ class KVSender(RoomSide):
         or a message that cannot leave at once, is left to :meth:`_finish`."""
         if self._status.is_terminal or self._concluding or self._chunks_in_flight != 1 or not self._extras_delivered:
             return
-        if self._notifier.try_success_now(self.room, peer, self.aux_path or ""):
+        if self._notifier.try_success_now(self._writes, peer, self.aux_path or ""):
             self._ctx.counters["success_at_completion"] += 1
-            self._kv_done = True
-            self._concluding = True
-            self.update(KVPoll.Success)
+            self._succeed()
 
     async def _maybe_conclude(self, deadline: Deadline) -> None:
         """Success once the last KV chunk, the declared aux and the declared state have all landed."""
         if self._concluding or not self._kv_done or not self._extras_delivered:
             return
         self._concluding = True
-        await self._notifier.success(self.room, [d.peer for d in self._real_dsts()], self.aux_path or "", deadline)
-        self.update(KVPoll.Success)
+        await self._notifier.success(self._writes, [d.peer for d in self._real_dsts()], self.aux_path or "", deadline)
+        self._succeed()
 
     def _check_sendable(self) -> None:
         self._ctx.check_open()
@@ -502,8 +523,7 @@ class KVSender(RoomSide):
         give_back = self._ledger.take()  # before the first await: the room cannot be released under this call
         try:
             paths = await self._run_or_fail(asyncio.gather(*(
-                self._pusher.send_aux(self.room, d.peer, int(aux_index), d.request.aux_index, deadline,
-                                      guard=self._ledger)
+                self._pusher.send_aux(self._writes, d.peer, int(aux_index), d.request.aux_index, deadline)
                 for d in dsts
             )))
             self.aux_path = paths[0] if paths else None
@@ -544,9 +564,8 @@ class KVSender(RoomSide):
         give_back = self._ledger.take()  # before the first await: the room cannot be released under this call
         try:
             await self._run_or_fail(asyncio.gather(*(
-                self._pusher.write_state(self.room, d.peer, kind, np.asarray(idx, dtype=np.int64),
-                                         np.asarray(d.request.state_indices[kind], dtype=np.int64), deadline,
-                                         guard=self._ledger)
+                self._pusher.write_state(self._writes, d.peer, kind, np.asarray(idx, dtype=np.int64),
+                                         np.asarray(d.request.state_indices[kind], dtype=np.int64), deadline)
                 for d in self._real_dsts() for kind, idx in local.items()
             )))
             self._state_sent = True

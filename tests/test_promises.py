@@ -126,3 +126,43 @@ async def test_success_is_counted_per_source_not_per_rank_number(engine: str) ->
         assert dec.stats()["dropped_wrong-peer"] >= 1
         await push(dec.endpoint, [encode(Status(room=4, status=int(KVPoll.Success), rank=1, endpoint=b))])
         await until(lambda: rx.poll() is KVPoll.Success)
+
+
+@pytest.mark.parametrize("sender_first", [True, False], ids=["sender-then-abort", "abort-then-sender"])
+async def test_an_abort_without_metadata_reaches_a_prefill_restarted_on_the_same_endpoint(
+    engine: str, sender_first: bool
+) -> None:
+    """The decode knows the prefill's endpoint from an earlier room; the prefill restarts there. A room
+    whose metadata the decode refused (its own pages out of range: nothing sent) and then aborted fails
+    on the new prefill at once, whichever of the sender and the abort comes first, not after wait_ready."""
+    from aiotransfer import InvalidArgument
+
+    src = make_buffers(2 * LAYERS, PAGES, ITEM, seed=SEED)
+    dst = make_buffers(2 * LAYERS, PAGES, ITEM, None)
+    config = TransferConfig(engine=engine)
+    async with KVManager(kv_args(dst), config) as dec:
+        async with KVManager(kv_args(src), config) as old:
+            endpoint = old.endpoint
+            tx = old.sender(1)
+            rx = dec.receiver(1, endpoint)
+            await rx.send_metadata([1, 2])
+            await tx.wait_ready(timeout=10)
+            await tx.send_kv([5, 6])
+            await rx.done(timeout=10)
+        port = int(endpoint.rsplit(":", 1)[1])
+        async with KVManager(kv_args(src), config.replace(control_port=port)) as new:
+            assert new.endpoint == endpoint
+            tx = new.sender(2) if sender_first else None
+            rx = dec.receiver(2, endpoint)
+            with pytest.raises(InvalidArgument):
+                await rx.send_metadata([PAGES + 1])
+            received = new.stats()["control_received"]
+            await rx.abort("scheduler gave up")
+            await until(lambda: new.stats()["control_received"] > received)  # the abort came first
+            if tx is None:
+                tx = new.sender(2)
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            with pytest.raises(TransferFailed, match="scheduler gave up"):
+                await tx.wait_ready(timeout=20)
+            assert loop.time() - t0 < 5.0, "the new prefill waited out wait_ready"

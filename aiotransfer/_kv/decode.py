@@ -12,10 +12,10 @@ from ..errors import AiotransferError
 from ..integrity import fold, region_crcs
 from ..layout import units_per_page
 from ..plan import units_of
-from ..receiver import KVReceiver
 from ..staging import RowSlice
 from ..status import KVPoll
 from .context import RankContext
+from .room import ReceiverRoom
 
 __all__ = ["DecodeSide"]
 
@@ -24,7 +24,7 @@ log = logging.getLogger("aiotransfer.manager")
 
 class DecodeSide:
     def __init__(
-        self, ctx: RankContext, receivers: Mapping[int, KVReceiver], draining: Mapping[int, KVReceiver],
+        self, ctx: RankContext, receivers: Mapping[int, ReceiverRoom], draining: Mapping[int, ReceiverRoom],
         forget_prefill: Callable[[str], None],
     ) -> None:
         self._ctx = ctx
@@ -53,7 +53,7 @@ class DecodeSide:
         if not rx.on_prefill_status(msg.endpoint, msg.rank, KVPoll(msg.status), msg.reason, msg.aux_path):
             self._ctx.drop("wrong-peer", f"status for room {msg.room} from {msg.endpoint}")
 
-    async def _verified_status(self, rx: KVReceiver, msg: Status) -> None:
+    async def _verified_status(self, rx: ReceiverRoom, msg: Status) -> None:
         try:
             reason = await self._verify_checksum(rx, msg)
         except Exception as exc:  # the room fails with why, instead of waiting out done_timeout
@@ -67,7 +67,7 @@ class DecodeSide:
         self._ctx.counters["checksums_verified"] += 1
         rx.on_prefill_status(msg.endpoint, msg.rank, KVPoll.Success, msg.reason, msg.aux_path)
 
-    async def _verify_checksum(self, rx: KVReceiver, msg: Status) -> str | None:
+    async def _verify_checksum(self, rx: ReceiverRoom, msg: Status) -> str | None:
         """Recompute what ``msg``'s rank wrote; returns a failure reason or None."""
         ctx, f = self._ctx, msg.slices
         kv, views, pages = ctx.args.kv, ctx.kv_views, rx.pages

@@ -16,11 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ..events import PeerEvent
-from ..receiver import KVReceiver
-from ..sender import KVSender
 from .context import RankContext
 from .probe import port_refuses
-from .room import RoomSide
+from .room import ReceiverRoom, SenderRoom
 from .staged import StagingGrantor
 
 __all__ = ["Lifecycle", "port_refuses"]
@@ -34,36 +32,37 @@ class Lifecycle:
         self._ctx = ctx
         self._publish = publish
         self._grantor = grantor
-        self.tx: dict[int, KVSender] = {}
+        self.tx: dict[int, SenderRoom] = {}
         """Prefill rooms that ended here and still hold their pages."""
-        self.rx: dict[int, KVReceiver] = {}
+        self.rx: dict[int, ReceiverRoom] = {}
         """Decode rooms that ended here and still hold their pages."""
         for name in ("drains_acknowledged", "quarantines_expired", "peers_proven_gone"):
             ctx.counters[name] += 0
 
-    def ended(self, side: RoomSide) -> None:
-        """A room just became terminal; it waits here until released."""
-        if side.is_released():
-            return
-        if isinstance(side, KVSender):
-            self.tx[side.room] = side
-        elif isinstance(side, KVReceiver):
-            self.rx[side.room] = side
+    def ended(self, tx: SenderRoom | None = None, rx: ReceiverRoom | None = None) -> None:
+        """A prefill room (``tx``) or a decode room (``rx``) just became terminal; it waits here until
+        released."""
+        if tx is not None and not tx.is_released():
+            self.tx[tx.room] = tx
+        if rx is not None and not rx.is_released():
+            self.rx[rx.room] = rx
 
-    def released(self, side: RoomSide, cause: str) -> None:
+    def released(self, cause: str, tx: SenderRoom | None = None, rx: ReceiverRoom | None = None) -> None:
         ctx = self._ctx
-        if isinstance(side, KVSender):
-            if self.tx.get(side.room) is side:
-                del self.tx[side.room]
-        elif isinstance(side, KVReceiver):
-            if self.rx.get(side.room) is side:
-                del self.rx[side.room]
-            self._grantor.release_room(side.room)  # staging space granted to the room's pieces
+        side: SenderRoom | ReceiverRoom | None = tx
+        if tx is not None and self.tx.get(tx.room) is tx:
+            del self.tx[tx.room]
+        if rx is not None:
+            side = rx
+            if self.rx.get(rx.room) is rx:
+                del self.rx[rx.room]
+            self._grantor.release_room(rx.room)  # staging space granted to the room's pieces
+        assert side is not None
         ctx.counters[f"rooms_released_{cause.replace('-', '_')}"] += 1
         if cause == "quarantine":
             ctx.counters["quarantines_expired"] += 1
             log.warning("room %d: pages released after the %.3gs quarantine; no drain acknowledgement from %s",
-                        side.room, ctx.config.quarantine_s, ", ".join(getattr(side, "awaiting_drain", [])) or "-")
+                        side.room, ctx.config.quarantine_s, ", ".join(rx.awaiting_drain if rx else []) or "-")
 
     def peer_gone(self, endpoint: str, cause: str) -> int:
         """``endpoint``'s process is provably gone: nothing it posted can land any more."""

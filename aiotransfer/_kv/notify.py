@@ -16,7 +16,7 @@ from ..errors import AiotransferError
 from ..status import KVPoll
 from .context import RankContext
 from .peers import DecodePeer
-from .push import Pusher
+from .push import Pusher, RoomWrites
 
 __all__ = ["Notifier", "REASON_MAX"]
 
@@ -30,24 +30,24 @@ class Notifier:
         self._ctx = ctx
         self._pusher = pusher
 
-    def _success(self, room: int, peer: DecodePeer, aux_path: str) -> Status:
-        checksum, slices = self._pusher.checksum_fields(room, peer)
-        return Status(room=room, status=int(KVPoll.Success), rank=self._ctx.rank_id, endpoint=self._ctx.endpoint,
+    def _success(self, writes: RoomWrites, peer: DecodePeer, aux_path: str) -> Status:
+        checksum, slices = self._pusher.checksum_fields(writes, peer)
+        return Status(room=writes.room, status=int(KVPoll.Success), rank=self._ctx.rank_id, endpoint=self._ctx.endpoint,
                       aux_path=aux_path, checksum=checksum, slices=slices)
 
-    async def success(self, room: int, peers: Iterable[DecodePeer], aux_path: str, deadline: Deadline) -> None:
+    async def success(self, writes: RoomWrites, peers: Iterable[DecodePeer], aux_path: str, deadline: Deadline) -> None:
         """Success to every real decode rank of the room (aux and state were delivered before this)."""
         ctx = self._ctx
         for peer in peers:
-            await ctx.send(peer.endpoint, self._success(room, peer, aux_path), deadline,
+            await ctx.send(peer.endpoint, self._success(writes, peer, aux_path), deadline,
                            yield_cpu=ctx.yield_after_notify())
 
-    def try_success_now(self, room: int, peer: DecodePeer, aux_path: str) -> bool:
+    def try_success_now(self, writes: RoomWrites, peer: DecodePeer, aux_path: str) -> bool:
         """Success to the room's only decode rank without waiting; False when it cannot leave at once."""
         ctx = self._ctx
         if ctx.control_or_none is None or ctx.closed:
             return False
-        return ctx.control_or_none.try_send(peer.endpoint, self._success(room, peer, aux_path),
+        return ctx.control_or_none.try_send(peer.endpoint, self._success(writes, peer, aux_path),
                                             yield_cpu=ctx.yield_after_notify())
 
     async def failure(self, room: int, endpoints: Iterable[str], reason: str) -> None:

@@ -40,7 +40,7 @@ from .context import RankContext, annotate, engine_failures
 from .peers import DecodePeer
 from .staged import StagingWriter, piece_pages
 
-__all__ = ["Pusher", "TransferPlan", "row_slices"]
+__all__ = ["Pusher", "RoomWrites", "TransferPlan", "row_slices"]
 
 log = logging.getLogger("aiotransfer.manager")
 
@@ -54,6 +54,30 @@ _FEW_PAGES = 256
 _FEW_ENTRIES = 64
 """...and are planned in plain Python when runs x buffers is at most this (:func:`plan_runs`): 32 contiguous
 pages, one buffer: 5 us against 28 us through NumPy; 32 scattered pages x 64 buffers: 430 us against 54."""
+
+
+class RoomWrites:
+    """What push keeps for one room while it sends: its guard (the room's ledger: every write holds it and
+    asks it before each engine submission), the checksums it accumulates per decode rank, the chunks being
+    streamed and the layer batches waiting to be posted. Owned by the room, so it goes with the room."""
+
+    __slots__ = ("batches", "checksums", "guard", "room", "streamed")
+
+    def __init__(self, room: int, guard: WriteGuard) -> None:
+        self.room = room
+        self.guard = guard
+        self.checksums: dict[str, RoomChecksum] = {}
+        """Per decode rank: the CRC of what was sent so far."""
+        self.streamed: dict[tuple[str, int], tuple[list[list[int]] | None, bool, Runs | None]] = {}
+        """Chunks being streamed, per (decode rank, first destination slot): page runs, and whether layers
+        move apart (direct) or the chunk moves whole with its last layer."""
+        self.batches: dict[tuple[str, int], _LayerBatch] = {}
+        """Layers of a chunk waiting to be posted together (per decode rank, first destination slot)."""
+
+    def clear(self) -> None:
+        """The room ended: drop what it kept (writes in flight keep their own references)."""
+        self.checksums.clear()
+        self.streamed.clear()
 
 
 @dataclass(frozen=True)
@@ -102,14 +126,8 @@ class Pusher:
     def __init__(self, ctx: RankContext) -> None:
         self._ctx = ctx
         self.staging = StagingWriter(ctx)
-        self._checksums: dict[tuple[int, str], RoomChecksum] = {}
         self._aux_fallback_logged = False
         self._owners = ctx.args.buffer_layers()
-        self._batches: dict[tuple[int, str, int], _LayerBatch] = {}
-        """Layers of a chunk waiting to be posted together (per room, decode rank, first destination slot)."""
-        self._streamed: dict[tuple[int, str, int], tuple[list[list[int]] | None, bool, Runs | None]] = {}
-        """Chunks being streamed, per (room, decode rank, first destination slot): page runs, and whether
-        layers move apart (direct) or the chunk moves whole with its last layer."""
 
     # -- planning ---------------------------------------------------------------------------------
     def plan(self, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, *, staging: bool | None = None,
@@ -223,14 +241,15 @@ class Pusher:
 
     # -- writes -----------------------------------------------------------------------------------
     async def write_kv(
-        self, room: int, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, deadline: Deadline, *,
-        guard: WriteGuard, dst_start: int = 0, on_done: Callable[[], None] | None = None,
+        self, writes: RoomWrites, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, deadline: Deadline, *,
+        dst_start: int = 0, on_done: Callable[[], None] | None = None,
     ) -> None:
         """Write one chunk to one decode rank. ``on_done`` (direct writes only) runs on the loop as soon as
-        the engine reports the write done, before the awaiting task resumes. ``guard`` is the room: the caller
-        holds it for the whole call, every engine submission asks it first, and everything that may touch the
-        pages (engine handles, worker-thread copies) holds it until it is over."""
+        the engine reports the write done, before the awaiting task resumes. ``writes.guard`` is the room: the
+        caller holds it for the whole call, every engine submission asks it first, and everything that may
+        touch the pages (engine handles, worker-thread copies) holds it until it is over."""
         ctx = self._ctx
+        room, guard = writes.room, writes.guard
         pairing = peer.pairing
         if pairing.stream:  # units are tokens: ours and the peer's token slots, ``dst_start`` the first token
             size = pairing.src_units
@@ -253,7 +272,7 @@ class Pusher:
             ctx.counters["kv_bytes_sent"] += blocks.nbytes
             ctx.counters["kv_entries_sent"] += len(blocks)
         if ctx.config.checksum:
-            await self._checksum_add(peer, room, src, deadline, guard)
+            await self._checksum_add(peer, writes, src, deadline)
 
     def _by_layer(self, peer: DecodePeer) -> bool:
         """Whether a chunk to ``peer`` can move layer by layer as direct entries (not when the buffers'
@@ -268,50 +287,50 @@ class Pusher:
         return np.array([i for i, b in enumerate(peer.pairing.src) if owners[int(b)] in layers], dtype=np.int64)
 
     async def write_kv_layers(
-        self, room: int, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, layers: frozenset[int],
-        complete: bool, deadline: Deadline, *, dst_start: int, guard: WriteGuard,
+        self, writes: RoomWrites, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, layers: frozenset[int],
+        complete: bool, deadline: Deadline, *, dst_start: int,
     ) -> None:
         """Write ``layers`` of one chunk to one decode rank; ``complete``: this call sends the chunk's last
         layers. A chunk that is staged, or whose pages hold every layer, moves whole on that call."""
         ctx = self._ctx
-        key = (room, peer.endpoint, dst_start)
-        chunk = self._streamed.get(key)
+        key = (peer.endpoint, dst_start)
+        chunk = writes.streamed.get(key)
         if chunk is None:  # once per chunk and decode rank: its page runs, and whether layers move apart
             runs = pair_runs(src.tolist(), dst.tolist()) if peer.pairing.heads is None and src.size <= _FEW_PAGES else None
             apart = self._by_layer(peer) and self._staging_slices(peer, src, dst, runs) is None
-            chunk = self._streamed[key] = (runs, apart, coalesce_runs(src, dst) if apart else None)
+            chunk = writes.streamed[key] = (runs, apart, coalesce_runs(src, dst) if apart else None)
         runs, apart, coalesced = chunk
         if complete:
-            del self._streamed[key]
+            writes.streamed.pop(key, None)
         if not apart:
             if complete:
-                await self.write_kv(room, peer, src, dst, deadline, dst_start=dst_start, guard=guard)
+                await self.write_kv(writes, peer, src, dst, deadline, dst_start=dst_start)
             return
         positions = self._layer_positions(peer, layers)
         if positions.size:
-            batch = self._batches.get(key)
+            batch = writes.batches.get(key)
             if batch is None:  # the first layer of this loop iteration: later ones join it until it is posted
-                batch = self._batches[key] = _LayerBatch(deadline)
-                self._post_layers(key, batch, room, peer, src, dst, (runs, coalesced), guard)
+                batch = writes.batches[key] = _LayerBatch(deadline)
+                self._post_layers(key, batch, writes, peer, src, dst, (runs, coalesced))
             done = batch.join(positions, deadline)
-            with engine_failures(room, peer.endpoint, "engine transfer"):
+            with engine_failures(writes.room, peer.endpoint, "engine transfer"):
                 await done
         if complete and ctx.config.checksum:
-            await self._checksum_add(peer, room, src, deadline, guard)
+            await self._checksum_add(peer, writes, src, deadline)
 
-    def _post_layers(self, key: tuple[int, str, int], batch: _LayerBatch, room: int, peer: DecodePeer,
-                     src: np.ndarray, dst: np.ndarray, plans: tuple[list[list[int]] | None, Runs | None],
-                     guard: WriteGuard) -> None:
+    def _post_layers(self, key: tuple[str, int], batch: _LayerBatch, writes: RoomWrites, peer: DecodePeer,
+                     src: np.ndarray, dst: np.ndarray, plans: tuple[list[list[int]] | None, Runs | None]) -> None:
         """Post the layers that queue up for one chunk and decode rank as one engine write: a task that starts
         on the next loop iteration, after the calls already scheduled (the other hooks) have joined. The task
         holds the room from now until it ends, and its submission asks the room first: a room that fails
         while the batch waits (for its callers, planning or credit) posts nothing."""
         ctx = self._ctx
+        room, guard = writes.room, writes.guard
         give_back = guard.take()
 
         async def post() -> None:
-            if self._batches.get(key) is batch:
-                del self._batches[key]
+            if writes.batches.get(key) is batch:
+                del writes.batches[key]
             if all(w.cancelled() for w in batch.waiters):  # every caller gave up (the room failed): post nothing
                 return
             positions = batch.positions[0] if len(batch.positions) == 1 else np.sort(np.concatenate(batch.positions))
@@ -341,10 +360,10 @@ class Pusher:
         ctx.spawn(post(), f"layers-{room}").add_done_callback(ended)
 
     async def write_state(
-        self, room: int, peer: DecodePeer, kind: str, src: np.ndarray, dst: np.ndarray, deadline: Deadline,
-        guard: WriteGuard,
+        self, writes: RoomWrites, peer: DecodePeer, kind: str, src: np.ndarray, dst: np.ndarray, deadline: Deadline,
     ) -> None:
         ctx = self._ctx
+        room = writes.room
         bufs = ctx.args.state[kind]
         remote = peer.state.get(kind)
         if remote is None:
@@ -353,14 +372,15 @@ class Pusher:
         lens = np.array([b.item_len for b in bufs], dtype=np.uint64)
         blocks = plan_blocks(bases, remote[0], lens, src, dst)
         with engine_failures(room, peer.endpoint, f"{kind} state transfer"):
-            await ctx.poller.write(peer.session_id, blocks, timeout=deadline.remaining(), guard=guard)
+            await ctx.poller.write(peer.session_id, blocks, timeout=deadline.remaining(), guard=writes.guard)
         ctx.counters[f"state_{kind}_bytes_sent"] += blocks.nbytes
 
-    async def send_aux(self, room: int, peer: DecodePeer, src_slot: int, dst_slot: int, deadline: Deadline,
-                       guard: WriteGuard) -> str:
+    async def send_aux(self, writes: RoomWrites, peer: DecodePeer, src_slot: int, dst_slot: int,
+                       deadline: Deadline) -> str:
         """Deliver one aux slot to ``peer``; returns the path used (``engine`` or ``tcp``). On ``auto`` the
         engine attempt gets half the time left, so that a fallback to TCP still has the other half."""
         ctx = self._ctx
+        room = writes.room
         if ctx.aux_path is AuxPath.ENGINE:
             fallback = ctx.config.aux_path is AuxPath.AUTO and all(b.device == "cpu" for b in ctx.args.aux)
             blocks = plan_blocks(ctx.aux_bases, peer.aux_bases, ctx.aux_item_lens, np.array([src_slot]),
@@ -368,7 +388,7 @@ class Pusher:
             try:
                 t0 = time.monotonic()
                 budget = deadline.remaining() / 2 if fallback else deadline.remaining()
-                await ctx.poller.write(peer.session_id, blocks, timeout=budget, guard=guard)
+                await ctx.poller.write(peer.session_id, blocks, timeout=budget, guard=writes.guard)
                 ctx.metrics.observe("aux_engine", time.monotonic() - t0)
                 ctx.counters["aux_engine"] += 1
                 log.debug("room %d: aux slot %d -> %s slot %d via engine", room, src_slot, peer.endpoint, dst_slot)
@@ -400,38 +420,27 @@ class Pusher:
         return "tcp"
 
     # -- checksums (prefill half) -----------------------------------------------------------------
-    async def _checksum_add(self, peer: DecodePeer, room: int, src: np.ndarray, deadline: Deadline,
-                            guard: WriteGuard) -> None:
+    async def _checksum_add(self, peer: DecodePeer, writes: RoomWrites, src: np.ndarray, deadline: Deadline) -> None:
         ctx = self._ctx
         assert ctx.kv_views is not None
-        key = (room, peer.endpoint)
-        acc = self._checksums.get(key)
+        acc = writes.checksums.get(peer.endpoint)
         if acc is None:
-            acc = self._checksums[key] = RoomChecksum(row_slices(ctx, peer)[0])
+            acc = writes.checksums[peer.endpoint] = RoomChecksum(row_slices(ctx, peer)[0])
         idx = peer.pairing.src
         views = [ctx.kv_views[i] for i in idx]
         counts = [ctx.args.kv[i].num_items * peer.pairing.src_units for i in idx]
         await ctx.offload.run(acc.add, views, counts, src, timeout=deadline.remaining(), what="checksum",
-                              on_done=guard.take())
+                              on_done=writes.guard.take())
 
-    def checksum_fields(self, room: int, peer: DecodePeer) -> tuple[int, list[int]]:
+    def checksum_fields(self, writes: RoomWrites, peer: DecodePeer) -> tuple[int, list[int]]:
         """(checksum, slice geometry) to send with Success; (-1, []) when none was computed."""
-        acc = self._checksums.pop((room, peer.endpoint), None)
+        acc = writes.checksums.pop(peer.endpoint, None)
         if acc is None:
             return -1, []
         fields: list[int] = []
         for sl, b in zip(row_slices(self._ctx, peer)[1], peer.pairing.dst, strict=True):
             fields += [sl.rows, sl.heads, sl.start, sl.count, sl.head_bytes, int(b)]
         return acc.value, fields
-
-    def forget(self, room: int) -> None:
-        """Drop what a room that ended left here."""
-        if self._checksums:
-            for key in [k for k in self._checksums if k[0] == room]:
-                del self._checksums[key]
-        if self._streamed:
-            for skey in [k for k in self._streamed if k[0] == room]:
-                del self._streamed[skey]
 
 
 class _LayerBatch:

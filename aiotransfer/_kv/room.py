@@ -1,14 +1,83 @@
-"""What a sender and a receiver share: one room's status as seen from one side."""
+"""What a sender and a receiver share: one room's status as seen from one side; and what the parts of a
+rank (:mod:`aiotransfer._kv`) need of each, as Protocols, so that they never import the public room objects
+(``KVSender``, ``KVReceiver``) that are built on top of them."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Protocol
 
 from ..status import KVPoll, PollLatch, apply_status
 
-__all__ = ["RoomSide"]
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ..control.messages import TransferRequest
+    from .peers import DecodePeer
+
+__all__ = ["ReceiverRoom", "RoomSide", "SenderRoom", "decode_reason"]
+
+
+def decode_reason(reason: str) -> str:
+    """A failure that started on the decode, worded the same on both sides."""
+    return reason if reason.startswith("aborted by decode") else f"aborted by decode: {reason or 'no reason given'}"
+
+
+class _Room(Protocol):
+    room: int
+
+    @property
+    def status(self) -> KVPoll: ...
+
+    @property
+    def failure_reason(self) -> str | None: ...
+
+    def update(self, status: KVPoll, reason: str | None = None) -> bool: ...
+
+    def is_released(self) -> bool: ...
+
+    async def abort(self, reason: str = ...) -> None: ...
+
+
+class SenderRoom(_Room, Protocol):
+    """What the prefill side of a rank needs of one of its rooms (a ``KVSender``)."""
+
+    @property
+    def decode_endpoints(self) -> list[str]: ...
+
+    @property
+    def num_pages(self) -> int | None: ...
+
+    @property
+    def engine_holds(self) -> int: ...
+
+    def admit(self, peer: DecodePeer, req: TransferRequest, kv_indices: np.ndarray) -> str | None: ...
+
+
+class ReceiverRoom(_Room, Protocol):
+    """What the decode side of a rank needs of one of its rooms (a ``KVReceiver``)."""
+
+    aux_index: int | None
+
+    @property
+    def sources(self) -> Mapping[str, int]: ...
+
+    @property
+    def pages(self) -> np.ndarray | None: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def awaiting_drain(self) -> list[str]: ...
+
+    def hold(self) -> Callable[[], None]: ...
+
+    def on_drained(self, endpoint: str, cause: str = ...) -> bool: ...
+
+    def on_prefill_status(self, endpoint: str, rank: int, status: KVPoll, reason: str, aux_path: str = ...) -> bool: ...
 
 
 class RoomSide:

@@ -146,7 +146,7 @@ async def test_loop_lag_monitor_sees_a_blocked_loop() -> None:
     s = mon.summary()
     assert s["samples"] >= 10
     assert s["max_ms"] >= 25
-    assert s["p50_ms"] < 10
+    assert s["p50_ms"] < 20  # most samples are on time: the block shows in the tail only
     samples = mon.samples
     assert samples.dtype == np.float64 and samples.size == s["samples"]
     assert not mon.running

@@ -170,7 +170,7 @@ async def test_cancelled_send_returns_promptly_and_keeps_buffers_pinned(big_pref
         send.cancel()
         with pytest.raises(asyncio.CancelledError):
             await send
-        assert time.monotonic() - t0 < 0.5
+        assert time.monotonic() - t0 < 3.0  # promptly: not when the stopped engine gives up (30 s)
         assert tx.poll() is KVPoll.Failed
         assert "cancelled" in (tx.failure_reason or "")
         await asyncio.sleep(0.2)

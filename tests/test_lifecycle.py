@@ -281,7 +281,7 @@ async def test_an_abort_before_the_metadata_reaches_the_prefill(engine: str) -> 
             t0 = time.monotonic()
             with pytest.raises(RemoteError, match="metadata not delivered"):
                 await prefill.call("wait_ready", room=3, timeout=10)
-            assert time.monotonic() - t0 < 2.0  # not wait_ready's bound
+            assert time.monotonic() - t0 < 5.0  # not wait_ready's bound (10 s)
             assert (await prefill.call("reason", room=3))["reason"] == reason  # the same words on both sides
             assert rx.is_released() and rx.release_cause == "nothing-sent"
     finally:

@@ -94,6 +94,6 @@ async def test_last_chunk_spends_one_deadline_budget(
             release.set()
             with pytest.raises(Exception):  # noqa: B017 -- the room failed: the earlier chunk ends with it
                 await first
-        assert elapsed < budget * 1.3, elapsed
+        assert elapsed < budget * 1.8, elapsed  # one budget, not one per chunk (2x)
         assert info.value.room == 23
         assert info.value.peer == decode.endpoint

@@ -84,7 +84,7 @@ def test_waits_are_bounded_and_close_drains_and_stops_the_thread() -> None:
     t0 = time.monotonic()
     with pytest.raises(TransferTimeout):  # nobody sends metadata: the call gives up, cancelled on the loop
         bg.run(lambda m: tx.wait_ready(timeout=60), timeout=0.3)
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 10.0  # the call's 0.3 s, not wait_ready's 60 s
     slow = bg.submit(lambda m: tx.wait_ready(timeout=60))  # still pending when we close
     threads = {t.name for t in threading.enumerate()}
     assert "aiotransfer-loop" in threads

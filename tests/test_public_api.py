@@ -101,32 +101,24 @@ def test_every_public_module_declares_what_it_exports() -> None:
 
 
 def _module_imports(path: pathlib.Path, name: str) -> set[str]:
-    """aiotransfer modules imported at module level (TYPE_CHECKING blocks included, function bodies not)."""
+    """aiotransfer modules imported anywhere in the module: at module level, in TYPE_CHECKING blocks and in
+    function bodies (a lazy import closes a circle as surely as an eager one, only later)."""
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
-
-    def visit(nodes: list[ast.stmt]) -> None:
-        for node in nodes:
-            if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")
-                    base = base[: len(base) - node.level + 1]
-                    mod = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    mod = node.module or ""
-                if mod.startswith("aiotransfer"):
-                    out.add(mod)
-                    out.update(f"{mod}.{a.name}" for a in node.names)
-            elif isinstance(node, ast.Import):
-                out.update(a.name for a in node.names if a.name.startswith("aiotransfer"))
-            elif isinstance(node, (ast.If, ast.Try)):
-                visit(node.body)
-                visit(node.orelse)
-                for handler in getattr(node, "handlers", []):
-                    visit(handler.body)
-
-    visit(tree.body)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod.startswith("aiotransfer"):
+                out.add(mod)
+                out.update(f"{mod}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("aiotransfer"))
     return out
 
 

@@ -542,7 +542,7 @@ def run(ns: argparse.Namespace) -> int:
 
         return run_conversion(ns)
     if getattr(ns, "suite", "default") == "vllm":
-        from .vllm.bench import from_bench_cli
+        from .vllm_pd import from_bench_cli
 
         return from_bench_cli(ns)
     if getattr(ns, "suite", "default") == "full":

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import math
 import os
 import sys
@@ -36,6 +35,7 @@ import numpy as np
 from aiotransfer import AiotransferError, KVArgs, KVManager, LoopLagMonitor, TransferConfig
 
 from .channel import Child, open_parent_channel, watch_eof
+from .files import write_json
 from .workload import (
     DemoRequest,
     Geometry,
@@ -417,19 +417,11 @@ def run(ns: argparse.Namespace) -> int:
         raise
     _report(res)
     if ns.json:
-        _write_json(ns.json, res)
+        write_json(ns.json, res, indent=2)
+        print(f"results written to {ns.json}")
     return 0 if _ok(res) else 1
 
 
-def _write_json(path: str, obj: dict[str, Any]) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
-    print(f"results written to {path}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

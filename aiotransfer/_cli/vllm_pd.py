@@ -33,7 +33,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["VENV_HINT", "main", "vllm_problem", "write_json"]
+from .files import write_json
+
+__all__ = ["VENV_HINT", "from_bench_cli", "main", "vllm_problem"]
 
 VENV_HINT = ("this needs a Python that imports vLLM: build it with `bash scripts/vllm-venv.sh` (it prints the "
              "path of .vllm-venv/bin/python) and run the command with that Python")
@@ -46,11 +48,14 @@ def vllm_problem() -> str | None:
     return None
 
 
-def write_json(path: str, data: Any) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(data, f, indent=1, default=str)
-    os.replace(path + ".tmp", path)
+def from_bench_cli(ns: argparse.Namespace) -> int:
+    """``python -m aiotransfer bench --suite vllm [--quick] [--repeats N] [--seed S] [--out JSON]``."""
+    argv = ["bench", "--json", ns.out or "bench-results/vllm.json", "--seed", str(ns.seed)]
+    if ns.quick:
+        argv.append("--quick")
+    if ns.repeats is not None:
+        argv += ["--repeats", str(ns.repeats)]
+    return main(argv)
 
 
 def _lengths(text: str) -> list[int]:
@@ -105,8 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"aiotransfer vLLM harness: {problem}", file=sys.stderr)
         return 2
     from .vllm import scenarios as sc
-    from .vllm.engine import KINDS
     from .vllm.model import make_tiny_hybrid, make_tiny_llama
+    from .vllm.spec import KINDS
 
     kinds = [k for k in ns.kinds.split(",") if k]
     for k in [*kinds, ns.kind]:

@@ -32,25 +32,14 @@ import sys
 import time
 from typing import Any
 
+from ..files import write_json
 from . import scenarios as sc
 from .model import BENCH, make_tiny_llama
 
-__all__ = ["from_bench_cli", "run_bench"]
+__all__ = ["run_bench"]
 
 _METRICS = ("ttft_s", "e2e_s", "decode_ttft_s", "transfer_s")
 _WARMUP_TOKENS = 64
-
-
-def from_bench_cli(ns: argparse.Namespace) -> int:
-    """``python -m aiotransfer bench --suite vllm [--quick] [--repeats N] [--seed S] [--out JSON]``."""
-    from .. import vllm_pd
-
-    argv = ["bench", "--json", ns.out or "bench-results/vllm.json", "--seed", str(ns.seed)]
-    if ns.quick:
-        argv.append("--quick")
-    if ns.repeats is not None:
-        argv += ["--repeats", str(ns.repeats)]
-    return vllm_pd.main(argv)
 
 
 def _median(xs: list[float]) -> float | None:
@@ -136,8 +125,6 @@ def _table(res: dict[str, Any]) -> str:
 
 
 def run_bench(ns: argparse.Namespace, workdir: str) -> int:
-    from ..vllm_pd import write_json
-
     t0 = time.monotonic()
     quick = bool(ns.quick)
     tokens = 256 if quick else ns.tokens

@@ -19,21 +19,12 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
-__all__ = ["KINDS", "Engine", "EngineDied", "EngineError", "EngineSpec", "kv_transfer_config"]
+from .spec import EngineSpec, engine_env
 
-KINDS = ("single", "nixl", "aiotransfer-mooncake", "aiotransfer-nixl", "aiotransfer-nixl-spin")
-"""``single``: no connector; ``nixl``: vLLM's NixlConnector; ``aiotransfer-*``: AiotransferConnector
-(``aiotransfer-nixl-spin``: over NIXL with UCX's progress thread spinning, as NixlConnector runs it,
-instead of the connector's paced default)."""
-
-_AIOTRANSFER_ENGINE = {"aiotransfer-mooncake": "mooncake_tcp", "aiotransfer-nixl": "nixl",
-                       "aiotransfer-nixl-spin": "nixl"}
-_AIOTRANSFER_TRANSFER: dict[str, dict[str, Any]] = {"aiotransfer-nixl-spin": {"nixl_progress_delay_us": 0}}
-_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
-
+__all__ = ["Engine", "EngineDied", "EngineError", "start_engines"]
 
 class EngineError(RuntimeError):
     """A command failed inside the engine process (the message carries its traceback)."""
@@ -42,62 +33,6 @@ class EngineError(RuntimeError):
 class EngineDied(EngineError):
     """The engine process exited or stopped answering (the message carries the tail of its log)."""
 
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """Everything the child needs to build its ``vllm.LLM`` (picklable)."""
-
-    name: str
-    model: str
-    kind: str = "single"
-    role: str | None = None
-    """``prefill`` or ``decode`` (ignored for ``single``)."""
-    log_path: str = "engine.log"
-    block_size: int | None = 32
-    """Tokens per KV block; ``None``: vLLM's choice (a hybrid model's attention block is sized to its Mamba page)."""
-    max_model_len: int = 1024
-    kv_cache_bytes: int = 64 << 20
-    dtype: str = "float32"
-    """Model and KV dtype (vLLM on CPU would otherwise downcast fp32 checkpoints to bf16)."""
-    nixl_port: int = 0
-    """``VLLM_NIXL_SIDE_CHANNEL_PORT`` (distinct per engine; NixlConnector only)."""
-    failure_policy: str = "fail"
-    """``kv_load_failure_policy``: ``fail`` or ``recompute``."""
-    transfer_timeout: float = 10.0
-    lease: float = 10.0
-    """aiotransfer ``lease`` / NixlConnector ``kv_lease_duration`` (s)."""
-    omp_cpu: int | None = None
-    """``VLLM_CPU_OMP_THREADS_BIND`` (one core), or ``None`` for vLLM's default."""
-    env: dict[str, str] = field(default_factory=dict)
-
-
-def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
-    """The ``KVTransferConfig`` fields for ``spec`` (``None``: no connector)."""
-    if spec.kind == "single":
-        return None
-    if spec.role not in _ROLES:
-        raise ValueError(f"engine {spec.name}: role must be prefill or decode, got {spec.role!r}")
-    if spec.kind == "nixl":
-        return {"kv_connector": "NixlConnector", "kv_role": _ROLES[spec.role], "kv_buffer_device": "cpu",
-                "kv_load_failure_policy": spec.failure_policy,
-                "kv_connector_extra_config": {"kv_lease_duration": max(1, int(spec.lease))}}
-    if spec.kind in _AIOTRANSFER_ENGINE:
-        return {"kv_connector": "AiotransferConnector", "kv_connector_module_path": "aiotransfer.integrations.vllm",
-                "kv_role": _ROLES[spec.role], "kv_load_failure_policy": spec.failure_policy,
-                "kv_connector_extra_config": {"engine": _AIOTRANSFER_ENGINE[spec.kind],
-                                              "transfer_timeout": spec.transfer_timeout, "lease": spec.lease,
-                                              "transfer": _AIOTRANSFER_TRANSFER.get(spec.kind, {})}}
-    raise ValueError(f"unknown connector kind {spec.kind!r}; expected one of {KINDS}")
-
-
-def _env(spec: EngineSpec) -> dict[str, str]:
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_HOST_IP": "127.0.0.1", "UCX_NET_DEVICES": "lo",
-           "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.nixl_port),
-           "MC_LOG_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false", "VLLM_CONFIGURE_LOGGING": "1"}
-    if spec.omp_cpu is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(spec.omp_cpu)
-    env.update(spec.env)
-    return env
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -241,7 +176,7 @@ def _child_main(spec: EngineSpec, conn: Any) -> None:
     os.close(fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
-    os.environ.update(_env(spec))
+    os.environ.update(engine_env(spec))
     print(f"[harness] engine {spec.name}: {asdict(spec)}", flush=True)
     try:
         from .server import Server

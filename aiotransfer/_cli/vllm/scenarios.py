@@ -17,7 +17,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .engine import Engine, EngineSpec, start_engines
+from .engine import Engine, start_engines
+from .spec import EngineSpec
 
 __all__ = ["PREFILL_PARAMS", "Options", "Pair", "decode_abort", "engine_peaks", "kill_prefill", "make_prompts", "pd", "single"]
 

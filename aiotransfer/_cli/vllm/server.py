@@ -11,7 +11,7 @@ import resource
 import time
 from typing import Any
 
-from .engine import EngineSpec, kv_transfer_config
+from .spec import EngineSpec, kv_transfer_config
 
 __all__ = ["Server"]
 

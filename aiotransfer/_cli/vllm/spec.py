@@ -1,0 +1,77 @@
+"""What one vLLM engine of the harness is (picklable, no vLLM needed): its spec, its connector's
+``KVTransferConfig`` fields and its environment. Both sides use it: the parent that starts the engine
+(:mod:`.engine`) and the child that builds it (:mod:`.server`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["KINDS", "EngineSpec", "engine_env", "kv_transfer_config"]
+
+KINDS = ("single", "nixl", "aiotransfer-mooncake", "aiotransfer-nixl", "aiotransfer-nixl-spin")
+"""``single``: no connector; ``nixl``: vLLM's NixlConnector; ``aiotransfer-*``: AiotransferConnector
+(``aiotransfer-nixl-spin``: over NIXL with UCX's progress thread spinning, as NixlConnector runs it,
+instead of the connector's paced default)."""
+
+_AIOTRANSFER_ENGINE = {"aiotransfer-mooncake": "mooncake_tcp", "aiotransfer-nixl": "nixl",
+                       "aiotransfer-nixl-spin": "nixl"}
+_AIOTRANSFER_TRANSFER: dict[str, dict[str, Any]] = {"aiotransfer-nixl-spin": {"nixl_progress_delay_us": 0}}
+_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything the child needs to build its ``vllm.LLM`` (picklable)."""
+
+    name: str
+    model: str
+    kind: str = "single"
+    role: str | None = None
+    """``prefill`` or ``decode`` (ignored for ``single``)."""
+    log_path: str = "engine.log"
+    block_size: int | None = 32
+    """Tokens per KV block; ``None``: vLLM's choice (a hybrid model's attention block is sized to its Mamba page)."""
+    max_model_len: int = 1024
+    kv_cache_bytes: int = 64 << 20
+    dtype: str = "float32"
+    """Model and KV dtype (vLLM on CPU would otherwise downcast fp32 checkpoints to bf16)."""
+    nixl_port: int = 0
+    """``VLLM_NIXL_SIDE_CHANNEL_PORT`` (distinct per engine; NixlConnector only)."""
+    failure_policy: str = "fail"
+    """``kv_load_failure_policy``: ``fail`` or ``recompute``."""
+    transfer_timeout: float = 10.0
+    lease: float = 10.0
+    """aiotransfer ``lease`` / NixlConnector ``kv_lease_duration`` (s)."""
+    omp_cpu: int | None = None
+    """``VLLM_CPU_OMP_THREADS_BIND`` (one core), or ``None`` for vLLM's default."""
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
+    """The ``KVTransferConfig`` fields for ``spec`` (``None``: no connector)."""
+    if spec.kind == "single":
+        return None
+    if spec.role not in _ROLES:
+        raise ValueError(f"engine {spec.name}: role must be prefill or decode, got {spec.role!r}")
+    if spec.kind == "nixl":
+        return {"kv_connector": "NixlConnector", "kv_role": _ROLES[spec.role], "kv_buffer_device": "cpu",
+                "kv_load_failure_policy": spec.failure_policy,
+                "kv_connector_extra_config": {"kv_lease_duration": max(1, int(spec.lease))}}
+    if spec.kind in _AIOTRANSFER_ENGINE:
+        return {"kv_connector": "AiotransferConnector", "kv_connector_module_path": "aiotransfer.integrations.vllm",
+                "kv_role": _ROLES[spec.role], "kv_load_failure_policy": spec.failure_policy,
+                "kv_connector_extra_config": {"engine": _AIOTRANSFER_ENGINE[spec.kind],
+                                              "transfer_timeout": spec.transfer_timeout, "lease": spec.lease,
+                                              "transfer": _AIOTRANSFER_TRANSFER.get(spec.kind, {})}}
+    raise ValueError(f"unknown connector kind {spec.kind!r}; expected one of {KINDS}")
+
+
+def engine_env(spec: EngineSpec) -> dict[str, str]:
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_HOST_IP": "127.0.0.1", "UCX_NET_DEVICES": "lo",
+           "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.nixl_port),
+           "MC_LOG_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false", "VLLM_CONFIGURE_LOGGING": "1"}
+    if spec.omp_cpu is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(spec.omp_cpu)
+    env.update(spec.env)
+    return env

@@ -6,6 +6,11 @@ off: all look the same from here), and ``on_dead`` fails its rooms on this side;
 the same silence on its own, so both sides conclude within the bound. Dead peers stay blacklisted and
 are probed at a slower pace until they answer. A ``Pong`` carrying a new incarnation id means the peer
 restarted: ``on_restart`` fails the rooms of the old incarnation.
+
+Only peers this manager depends on are tracked: those a room activated (:meth:`Liveness.activate`) or that
+``active_peers`` names. A message naming any other endpoint changes nothing here, whoever sent it. At most
+``max_peers`` are kept; a peer no room has depended on for ``forget_after`` seconds is forgotten (its
+blacklisting and incarnation with it), the least recently needed first when the table is full.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 
 from ._deadline import reap
@@ -23,6 +29,8 @@ log = logging.getLogger("aiotransfer.liveness")
 
 _PROBE_EVERY = 5
 """Dead peers are probed every this many heartbeats."""
+FORGET_AFTER = 600.0
+"""Seconds after which a peer no room depends on any more is forgotten."""
 
 
 class Liveness:
@@ -35,6 +43,8 @@ class Liveness:
         ping: Callable[[str], Awaitable[None]],
         on_dead: Callable[[str, str], None],
         on_restart: Callable[[str], None],
+        max_peers: int = 4096,
+        forget_after: float = FORGET_AFTER,
     ) -> None:
         self.interval = interval
         self.timeout = timeout
@@ -45,6 +55,13 @@ class Liveness:
         self.last_seen: dict[str, float] = {}
         self.dead: dict[str, float] = {}
         self.incarnations: dict[str, int] = {}
+        self.max_peers = max_peers
+        self.forget_after = forget_after
+        self._known: OrderedDict[str, float] = OrderedDict()
+        """Tracked peers -> when a room last depended on them (monotonic), least recent first."""
+        self.ignored = 0
+        """Signs of life and incarnations reported for endpoints that are not tracked (ignored)."""
+        self.forgotten = 0
         self._task: asyncio.Task[None] | None = None
         self.detections: list[float] = []
         """Seconds between a dead peer's last sign of life and its detection (for reports)."""
@@ -56,15 +73,24 @@ class Liveness:
         if self._task is not None:
             await reap(self._task, 1.0)
 
-    def seen(self, endpoint: str) -> None:
-        """A message arrived from ``endpoint``."""
+    def __len__(self) -> int:
+        """Peers tracked now."""
+        return len(self._known)
+
+    def seen(self, endpoint: str) -> bool:
+        """A message arrived from ``endpoint``; False (and nothing recorded) unless a room depends on it."""
+        if endpoint not in self._known:
+            self.ignored += 1
+            return False
         self.last_seen[endpoint] = time.monotonic()
         if self.dead.pop(endpoint, None) is not None:
             log.info("peer %s is answering again; removed from the blacklist", endpoint)
+        return True
 
     def activate(self, endpoint: str) -> None:
         """A room starts depending on ``endpoint``: its silence clock starts now at the latest."""
         now = time.monotonic()
+        self._track(endpoint, now)
         if self.last_seen.get(endpoint, 0.0) < now:
             self.last_seen[endpoint] = now
 
@@ -73,11 +99,36 @@ class Liveness:
 
     def incarnation(self, endpoint: str, incarnation: int) -> None:
         """Record the incarnation id a peer reported; a change means it restarted."""
+        if endpoint not in self._known:
+            self.ignored += 1
+            return
         old = self.incarnations.get(endpoint)
         self.incarnations[endpoint] = incarnation
         if old is not None and old != incarnation:
             log.warning("peer %s restarted (incarnation changed)", endpoint)
             self._on_restart(endpoint)
+
+    def _track(self, endpoint: str, now: float) -> None:
+        self._known[endpoint] = now
+        self._known.move_to_end(endpoint)
+        if len(self._known) > self.max_peers:
+            active = set(self._active_peers())
+            for ep in [ep for ep in self._known if ep not in active][: len(self._known) - self.max_peers]:
+                self._forget(ep)
+
+    def _forget(self, endpoint: str) -> None:
+        self._known.pop(endpoint, None)
+        self.last_seen.pop(endpoint, None)
+        self.dead.pop(endpoint, None)
+        self.incarnations.pop(endpoint, None)
+        self.forgotten += 1
+
+    def _forget_idle(self, now: float, active: set[str]) -> None:
+        for ep, since in list(self._known.items()):
+            if now - since <= self.forget_after:
+                break
+            if ep not in active:
+                self._forget(ep)
 
     async def _run(self) -> None:
         tick = 0
@@ -85,7 +136,11 @@ class Liveness:
             await asyncio.sleep(self.interval)
             tick += 1
             now = time.monotonic()
-            for ep in set(self._active_peers()):
+            active = set(self._active_peers())
+            for ep in active:
+                self._track(ep, now)
+            self._forget_idle(now, active)
+            for ep in active:
                 if ep in self.dead:
                     continue
                 last = self.last_seen.setdefault(ep, now)

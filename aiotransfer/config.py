@@ -94,7 +94,15 @@ class TransferConfig:
     max_sockets: int = 512
     """Outbound control sockets cached per manager (least recently used are closed)."""
     max_message_bytes: int = 64 * 1024 * 1024
-    """Largest control message accepted."""
+    """Largest control message accepted, all its frames together: a bigger one is discarded while it is read,
+    before it is assembled (see docs/security.md for what ZeroMQ itself buffers)."""
+    max_peers: int = 4096
+    """Peers whose liveness (last sign of life, blacklisting, incarnation) is tracked at once; only peers a
+    room of this manager depends on are tracked, and the least recently needed is forgotten first."""
+    max_pending_per_room: int = 64
+    """Transfer requests stashed for one room whose sender does not exist yet (one per decode rank)."""
+    max_pending_bytes: int = 256 * 1024 * 1024
+    """Bytes of page indices stashed for rooms whose sender does not exist yet, all rooms together."""
     executor_threads: int = 2
     """Threads of the engine's offload executor; more spinning threads are slower on small hosts."""
     engine_threads: str = "normal"
@@ -173,6 +181,9 @@ class TransferConfig:
             "max_rooms",
             "max_sockets",
             "max_message_bytes",
+            "max_peers",
+            "max_pending_per_room",
+            "max_pending_bytes",
             "executor_threads",
         ):
             value = getattr(self, name)

@@ -90,7 +90,7 @@ class KVManager:
         self._liveness = Liveness(
             interval=self.config.heartbeat_interval, timeout=self.config.peer_timeout,
             active_peers=self._active_peers, ping=self._ping, on_dead=self._on_peer_dead,
-            on_restart=self._on_peer_restart,
+            on_restart=self._on_peer_restart, max_peers=self.config.max_peers,
         )
         ctx = self._ctx = RankContext(args, self.config, engine, self._liveness)
         self._regions = ctx.regions()
@@ -427,9 +427,13 @@ class KVManager:
 
     # -- inbound control messages -------------------------------------------------------------
     def _dispatch(self, msg: Message) -> None:
-        sender = getattr(msg, "endpoint", None)
-        if sender:
-            self._liveness.seen(sender)
+        # A sign of life counts only for a peer a room of ours depends on: liveness ignores other endpoints, so
+        # junk naming new ones grows nothing. With a shared secret the endpoint is the signed sender's.
+        sender: str = getattr(msg, "endpoint", "")
+        known = bool(sender) and self._liveness.seen(sender)
+        if isinstance(msg, Pong) and not known:  # we ping only the peers we track
+            self._ctx.drop("unknown-peer", f"pong from {sender}")
+            return
         handler = self._handlers.get(type(msg))
         if handler is not None:
             handler(msg)

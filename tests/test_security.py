@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import struct
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aiotransfer import KVArgs, KVManager, TransferConfig
-from aiotransfer.control.endpoint import ControlPlane
+from aiotransfer.control.endpoint import ControlPlane, signed_frames
 from aiotransfer.control.messages import Ping, Status, TransferRequest, encode
 from aiotransfer.errors import ProtocolError
 from tests.conftest import GEOMETRY, expected_digest
@@ -69,23 +68,24 @@ async def test_unsigned_and_replayed_messages_are_dropped(signed_prefill: KVMana
     await wait_until(lambda: _dropped(signed_prefill, "unauthenticated message") == 1)
     # a correctly signed message is accepted once; the identical bytes again are a replay
     plane = ControlPlane("127.0.0.1", 0, lambda m: None, max_sockets=4, max_message_bytes=1 << 20, hmac_key=KEY)
-    frames = plane.frames(ping)
+    await plane.start()
+    ping = Ping(endpoint=plane.endpoint, nonce=1)  # signed messages name their signed sender
+    frames = plane.frames(ping, signed_prefill.endpoint)
     await push(signed_prefill.endpoint, frames)
     await wait_until(lambda: signed_prefill.stats()["control_received"] == 1)
     await push(signed_prefill.endpoint, frames)
     await wait_until(lambda: _dropped(signed_prefill, "replayed message") == 1)
     # a validly signed but old message is outside the replay window
     payload = encode(ping)
-    header = struct.pack("<QQd", 12345, 1, time.time() - 3600)
-    import hashlib
-    import hmac
-
-    mac = hmac.new(KEY, header + payload, hashlib.sha256).digest()
-    await push(signed_prefill.endpoint, [payload, header, mac])
+    old = signed_frames(KEY, payload, sender=plane.endpoint, destination=signed_prefill.endpoint,
+                        counter=time.time_ns(), sent=time.time() - 3600)
+    await push(signed_prefill.endpoint, old)
     await wait_until(lambda: _dropped(signed_prefill, "stale signed message (outside the replay window)") == 1)
+    header = old[1]
     await push(signed_prefill.endpoint, [payload, header, b"x" * 32])
     await wait_until(lambda: _dropped(signed_prefill, "bad signature") == 1)
     assert signed_prefill.stats()["control_received"] == 1
+    await plane.aclose()
 
 
 # -- fuzzing --------------------------------------------------------------------------------

@@ -5,13 +5,14 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from ..control.messages import BufferSpec, Hello, HelloAck, Topology, TransferRequest
 from ..layout import KVPairing
 
-__all__ = ["DecodePeer", "PendingRequests", "PrefillPeer", "PrefillTopology", "Stashed"]
+__all__ = ["DecodePeer", "Evicted", "PendingRequests", "PrefillPeer", "PrefillTopology", "Stashed"]
 
 
 @dataclass
@@ -90,40 +91,87 @@ class Stashed:
     kv_indices: np.ndarray
 
 
+class Evicted(NamedTuple):
+    """Stashed requests that will not be served, and what their decode ranks are told."""
+
+    room: int
+    items: list[Stashed]
+    reason: str
+    counter: str
+    """The counter to bump: ``pending_expired`` (too old, or pushed out by newer rooms), ``pending_refused``
+    (the stash was full: the request was never kept) or ``pending_duplicate`` (nobody to tell)."""
+
+
 @dataclass
 class _Entry:
     since: float
     items: list[Stashed] = field(default_factory=list)
+    nbytes: int = 0
+
+
+def _nbytes(item: Stashed) -> int:
+    return int(item.kv_indices.nbytes) + len(item.request.kv_indices) + 256
+
+
+EXPIRED = "transfer request expired before the prefill created the room"
 
 
 class PendingRequests:
     """Transfer requests that arrived before the prefill created the room's sender, oldest first.
 
-    Bounded in time (``ttl``) and count (``max_rooms``): :meth:`add` returns what it evicted, so that the
-    caller tells those decode ranks why their request went nowhere."""
+    Bounded in time (``ttl``) and rooms (``max_rooms``: the oldest room is pushed out), and in requests per
+    room (``per_room``: one per decode rank) and bytes over all rooms (``max_bytes``): a request beyond
+    either is refused. :meth:`add` returns what it evicted or refused, so that the caller tells those decode
+    ranks why their request went nowhere."""
 
-    def __init__(self, ttl: float, max_rooms: int) -> None:
+    def __init__(self, ttl: float, max_rooms: int, *, per_room: int = 64, max_bytes: int = 256 << 20) -> None:
         self.ttl = ttl
         self.max_rooms = max_rooms
+        self.per_room = per_room
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        """Bytes held now (page indices as received and as unpacked, plus a fixed cost per request)."""
         self._rooms: OrderedDict[int, _Entry] = OrderedDict()
 
-    def add(self, room: int, item: Stashed) -> list[tuple[int, list[Stashed]]]:
+    def add(self, room: int, item: Stashed) -> list[Evicted]:
         now = time.monotonic()
-        expired: list[tuple[int, list[Stashed]]] = []
+        evicted: list[Evicted] = []
         while self._rooms:
             first_room, first = next(iter(self._rooms.items()))
             if now - first.since <= self.ttl and len(self._rooms) < self.max_rooms:
                 break
-            del self._rooms[first_room]
-            expired.append((first_room, first.items))
+            self._pop(first_room)
+            evicted.append(Evicted(first_room, first.items, EXPIRED, "pending_expired"))
         entry = self._rooms.get(room)
+        size = _nbytes(item)
+        reason = None
+        if entry is not None and any(s.peer.endpoint == item.peer.endpoint for s in entry.items):
+            # a second request from the same decode rank: refused, but nobody is told (the rank's first
+            # request is still waiting, and a failure status would end its room)
+            evicted.append(Evicted(room, [], f"duplicate request for room {room}", "pending_duplicate"))
+            return evicted
+        if entry is not None and len(entry.items) >= self.per_room:
+            reason = f"too many requests for room {room} before the prefill created it ({self.per_room})"
+        elif self.nbytes + size > self.max_bytes:
+            reason = f"too many requests waiting for rooms the prefill has not created ({self.max_bytes} bytes)"
+        if reason is not None:
+            evicted.append(Evicted(room, [item], reason, "pending_refused"))
+            return evicted
         if entry is None:
             entry = self._rooms[room] = _Entry(now)
         entry.items.append(item)
-        return expired
+        entry.nbytes += size
+        self.nbytes += size
+        return evicted
+
+    def _pop(self, room: int) -> _Entry | None:
+        entry = self._rooms.pop(room, None)
+        if entry is not None:
+            self.nbytes -= entry.nbytes
+        return entry
 
     def pop(self, room: int) -> list[Stashed] | None:
-        entry = self._rooms.pop(room, None)
+        entry = self._pop(room)
         return entry.items if entry is not None else None
 
     def __len__(self) -> int:

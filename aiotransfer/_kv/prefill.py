@@ -49,7 +49,8 @@ class PrefillSide:
         self._notifier = notifier
         self._fail_rooms_with = fail_rooms_with
         self.decode_peers: dict[str, DecodePeer] = {}
-        self.pending = PendingRequests(ctx.config.pending_request_ttl, ctx.config.max_rooms)
+        self.pending = PendingRequests(ctx.config.pending_request_ttl, ctx.config.max_rooms,
+                                       per_room=ctx.config.max_pending_per_room, max_bytes=ctx.config.max_pending_bytes)
         self._refused: OrderedDict[int, str] = OrderedDict()
         """Rooms whose request was refused before their sender existed (it fails with the same reason)."""
         self._hellos: dict[str, asyncio.Task[None]] = {}
@@ -216,12 +217,11 @@ class PrefillSide:
             return
         tx = self._senders.get(req.room)
         if tx is None:
-            for room, items in self.pending.add(req.room, Stashed(peer, req, idx)):
-                ctx.counters["pending_expired"] += 1
+            for room, items, why, counter in self.pending.add(req.room, Stashed(peer, req, idx)):
+                ctx.counters[counter] += 1
                 # nothing is dropped silently: the decode ranks learn why their request went nowhere
-                ctx.spawn(self._notifier.failure(
-                    room, [s.peer.endpoint for s in items], "transfer request expired before the prefill created the room",
-                ), "expire")
+                if items:
+                    ctx.spawn(self._notifier.failure(room, [s.peer.endpoint for s in items], why), "expire")
             return
         self.accept(tx, peer, req, idx)
 

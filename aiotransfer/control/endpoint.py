@@ -1,11 +1,14 @@
 """ZMQ endpoint of one manager: one PULL socket in, a capped LRU cache of PUSH sockets out.
 
 Each message is one multipart ZMQ message: ``[payload]``, or ``[payload, header, mac]`` when a shared
-secret is configured: ``header`` = (sender id, counter, send time) and ``mac`` = HMAC-SHA256 over header and
-payload. A receiver rejects bad signatures, messages older than the replay window, and any counter not
-above the last one seen from that sender (replays). Inbound messages that are too large, unauthenticated,
-or fail decoding/validation are counted by cause, logged (rate-limited) and dropped; the receive loop
-never dies on bad input. Per-peer ordering is ZMQ's per-pipe FIFO: aux bytes sent before a status arrive before it.
+secret is configured: ``header`` = (counter, send time, sender endpoint, destination endpoint) and ``mac`` =
+HMAC-SHA256 over header and payload. A receiver rejects bad signatures, messages addressed to another
+endpoint, messages older than the replay window, any counter not above the last one seen from that sender
+endpoint (replays), and a payload naming another sender than the signed one. Inbound messages are read
+frame by frame and a message over the whole-message bound (frame count, total bytes) is discarded as it is
+read, never assembled. Inbound messages that are too large, unauthenticated, or fail decoding/validation
+are counted by cause, logged (rate-limited) and dropped; the receive loop never dies on bad input.
+Per-peer ordering is ZMQ's per-pipe FIFO: aux bytes sent before a status arrive before it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import hashlib
 import hmac
 import logging
 import os
-import secrets
 import struct
 import threading
 import time
@@ -29,18 +31,29 @@ import zmq.asyncio
 
 from .._deadline import reap, within
 from ..errors import ClosedError, PeerError, ProtocolError, TransferTimeout
-from .messages import Message, decode, encode
+from .messages import Message, RankRegister, decode, encode
 
-__all__ = ["ControlPlane", "normalize_endpoint"]
+__all__ = ["ControlPlane", "ReplayGuard", "normalize_endpoint", "signed_frames"]
 
 log = logging.getLogger("aiotransfer.control")
 
 Handler = Callable[[Message], Awaitable[None] | None]
 
-_HEADER = struct.Struct("<QQd")
+_HEADER = struct.Struct("<Qd")
+"""Signed header, fixed part: counter, send time; then the sender and destination endpoints."""
+_MAC_DOMAIN = b"aiotransfer-control-v2\x00"
+_MAX_ENDPOINT = 255
 REPLAY_WINDOW = 30.0
 """Seconds a signed message stays acceptable (clock skew between hosts must stay below this)."""
-_MAX_SENDERS = 4096
+MAX_SENDERS = 4096
+"""Sender endpoints whose replay state is kept at once; a sender silent for two replay windows is forgotten
+first (none of its old messages can pass the window any more)."""
+MAX_FRAMES = 64
+"""Frames in one inbound message (the native wire uses at most 3; SGLang's registration 20)."""
+FRAME_OVERHEAD = 1024
+"""Bytes a message may carry beyond ``max_message_bytes``: the signed header and the MAC."""
+_MAX_CAUSES = 64
+"""Distinct drop causes counted by name; any further cause is counted as ``other``."""
 
 
 _sched_yield: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
@@ -55,6 +68,65 @@ def normalize_endpoint(peer: str) -> str:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"peer must be 'host:port', got {peer!r}")
     return peer
+
+
+def _mac(key: bytes, header: bytes, payload: bytes) -> bytes:
+    mac = hmac.new(key, _MAC_DOMAIN, hashlib.sha256)
+    mac.update(header)
+    mac.update(payload)
+    return mac.digest()
+
+
+def signed_frames(key: bytes, payload: bytes, *, sender: str, destination: str, counter: int, sent: float) -> list[bytes]:
+    """``[payload, header, mac]``: ``payload`` signed by ``sender`` for ``destination`` only."""
+    src, dst = sender.encode(), destination.encode()
+    if len(src) > _MAX_ENDPOINT or len(dst) > _MAX_ENDPOINT:
+        raise ValueError("control endpoints are at most 255 bytes long")
+    header = _HEADER.pack(counter, sent) + bytes((len(src), len(dst))) + src + dst
+    return [payload, header, _mac(key, header, payload)]
+
+
+def _claimed_sender(msg: Message) -> str | None:
+    """The endpoint a message says it comes from (None for answers that name none)."""
+    if isinstance(msg, RankRegister):
+        return msg.rank.endpoint
+    claimed = getattr(msg, "endpoint", None)
+    return claimed if isinstance(claimed, str) else None
+
+
+class ReplayGuard:
+    """Replay state per sender endpoint: the last counter accepted from each, bounded in count and time.
+
+    A sender silent for two replay windows is forgotten: every message it sent before is outside the window
+    by then. Past ``max_senders`` the least recently heard sender is forgotten first."""
+
+    def __init__(self, window: float, max_senders: int) -> None:
+        self.window = window
+        self.max_senders = max_senders
+        self._last: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        self.evicted = 0
+        """Senders forgotten while still inside the window (the table was full)."""
+
+    def accept(self, sender: str, counter: int) -> bool:
+        """True (and remembered) when ``counter`` is above the last one accepted from ``sender``."""
+        now = time.monotonic()
+        while self._last:
+            oldest, (_, heard) = next(iter(self._last.items()))
+            if now - heard <= 2 * self.window:
+                break
+            del self._last[oldest]
+        last = self._last.get(sender)
+        if last is not None and counter <= last[0]:
+            return False
+        self._last[sender] = (counter, now)
+        self._last.move_to_end(sender)
+        if len(self._last) > self.max_senders:
+            self._last.popitem(last=False)
+            self.evicted += 1
+        return True
+
+    def __len__(self) -> int:
+        return len(self._last)
 
 
 class ControlPlane:
@@ -87,15 +159,17 @@ class ControlPlane:
         self.evicted = 0
         self._last_warn = 0.0
         self.endpoint = ""
-        self._sender_id = secrets.randbits(64)
         self._counter = 0
-        self._last_counter: OrderedDict[int, int] = OrderedDict()
+        self._replay = ReplayGuard(REPLAY_WINDOW, MAX_SENDERS)
+        self.whole_message_bound = True
+        """Refuse a message over ``max_message_bytes`` (and :data:`MAX_FRAMES`) while reading it, before it is
+        assembled; False only to show what the bound prevents."""
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
         self._ctx.setsockopt(zmq.LINGER, 0)
         pull = self._ctx.socket(zmq.PULL)
-        pull.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + 1024)
+        pull.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + FRAME_OVERHEAD)  # per frame: see _recv_message
         addr = f"tcp://{self._hostname}"
         if self._port:
             pull.bind(f"{addr}:{self._port}")
@@ -126,18 +200,21 @@ class ControlPlane:
         self._out[endpoint] = sock
         return sock
 
-    def frames(self, msg: Message) -> list[bytes]:
+    def frames(self, msg: Message, destination: str) -> list[bytes]:
+        """The frames of ``msg`` for ``destination``; signed for that destination only when a key is set."""
         payload = encode(msg)
         if self._key is None:
             return [payload]
-        self._counter += 1
-        header = _HEADER.pack(self._sender_id, self._counter, time.time())
-        return [payload, header, hmac.new(self._key, header + payload, hashlib.sha256).digest()]
+        # Wall-clock nanoseconds, and strictly increasing: a restarted process on the same endpoint starts
+        # above anything its previous incarnation sent.
+        self._counter = max(self._counter + 1, time.time_ns())
+        return signed_frames(self._key, payload, sender=self.endpoint, destination=destination,
+                             counter=self._counter, sent=time.time())
 
     async def send(self, endpoint: str, msg: Message, *, timeout: float, yield_cpu: bool = False) -> None:
         """Queue ``msg`` to ``endpoint``; waits (bounded) only if the peer's queue is full. ``yield_cpu``:
         as in :meth:`try_send`, when the message was queued at once."""
-        await self.send_frames(endpoint, self.frames(msg), timeout=timeout, yield_cpu=yield_cpu)
+        await self.send_frames(endpoint, self.frames(msg, endpoint), timeout=timeout, yield_cpu=yield_cpu)
 
     async def send_frames(
         self, endpoint: str, frames: list[bytes], *, timeout: float, yield_cpu: bool = False
@@ -170,7 +247,7 @@ class ControlPlane:
         sleeps. On a host with few cores the woken thread is often queued on this very CPU."""
         if self._closed:
             return False
-        fut = cast("asyncio.Future[Any]", self._socket(endpoint).send_multipart(self.frames(msg)))
+        fut = cast("asyncio.Future[Any]", self._socket(endpoint).send_multipart(self.frames(msg, endpoint)))
         if not fut.done():
             fut.cancel()  # withdrawn: the caller sends it the ordinary way
             return False
@@ -198,31 +275,63 @@ class ControlPlane:
         payload = frames[0]
         if len(payload) > self._max_bytes:
             raise ProtocolError("message too large")
-        if self._key is not None:
-            if len(frames) != 3 or len(frames[1]) != _HEADER.size:
-                raise ProtocolError("unauthenticated message")
-            header = frames[1]
-            expected = hmac.new(self._key, header + payload, hashlib.sha256).digest()
-            if not hmac.compare_digest(expected, frames[2]):
-                raise ProtocolError("bad signature")
-            sender, counter, sent = _HEADER.unpack(header)
-            if abs(time.time() - sent) > REPLAY_WINDOW:
-                raise ProtocolError("stale signed message (outside the replay window)")
-            if counter <= self._last_counter.get(sender, 0):
-                raise ProtocolError("replayed message")
-            self._last_counter[sender] = counter
-            self._last_counter.move_to_end(sender)
-            while len(self._last_counter) > _MAX_SENDERS:
-                self._last_counter.popitem(last=False)
-        elif len(frames) != 1:
-            raise ProtocolError("unexpected authentication frames (this endpoint has no shared secret)")
-        return decode(payload)
+        if self._key is None:
+            if len(frames) != 1:
+                raise ProtocolError("unexpected authentication frames (this endpoint has no shared secret)")
+            return decode(payload)
+        if len(frames) != 3:
+            raise ProtocolError("unauthenticated message")
+        header = frames[1]
+        fixed = _HEADER.size + 2
+        if len(header) < fixed or len(header) != fixed + header[_HEADER.size] + header[_HEADER.size + 1]:
+            raise ProtocolError("unauthenticated message")
+        if not hmac.compare_digest(_mac(self._key, header, payload), frames[2]):
+            raise ProtocolError("bad signature")
+        counter, sent = _HEADER.unpack_from(header)
+        split = fixed + header[_HEADER.size]
+        sender, destination = header[fixed:split].decode("utf-8", "replace"), header[split:].decode("utf-8", "replace")
+        if destination != self.endpoint:
+            raise ProtocolError(f"wrong destination: signed for {destination}")
+        if abs(time.time() - sent) > REPLAY_WINDOW:
+            raise ProtocolError("stale signed message (outside the replay window)")
+        msg = decode(payload)
+        claimed = _claimed_sender(msg)
+        if claimed is not None and claimed != sender:
+            raise ProtocolError(f"sender mismatch: signed by {sender}, names {claimed}")
+        if not self._replay.accept(sender, counter):
+            raise ProtocolError("replayed message")
+        return msg
+
+    async def _recv_message(self, pull: zmq.asyncio.Socket, more: zmq.Socket[Any]) -> list[bytes] | None:
+        """The frames of one inbound message, or None when it broke the whole-message bound (counted).
+
+        libzmq hands a multipart message over only once all its frames are in; the rest of the frames are
+        therefore read without waiting, and past the bound they are released one by one, never copied."""
+        first: bytes = await pull.recv()
+        frames, total, cause = [first], len(first), ""
+        budget, bounded = self._max_bytes + FRAME_OVERHEAD, self.whole_message_bound
+        while more.get(zmq.RCVMORE):
+            if cause:
+                total += len(more.recv(zmq.NOBLOCK, copy=False))
+                continue
+            frame: bytes = more.recv(zmq.NOBLOCK)
+            total += len(frame)
+            frames.append(frame)
+            if bounded and (len(frames) > MAX_FRAMES or total > budget):
+                cause = "too many frames" if len(frames) > MAX_FRAMES else "message too large"
+                frames.clear()
+        if not cause:
+            return frames
+        self._drop(cause, ProtocolError(f"{cause}: {total} bytes, bound {budget} bytes in {MAX_FRAMES} frames"))
+        return None
 
     async def _recv_loop(self) -> None:
         assert self._pull is not None
+        pull = self._pull
+        more: zmq.Socket[Any] = zmq.Socket.shadow(pull.underlying)  # the rest of a message: read synchronously
         while True:
             try:
-                frames = await self._pull.recv_multipart(copy=True)
+                frames = await self._recv_message(pull, more)
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError as exc:
@@ -230,8 +339,10 @@ class ControlPlane:
                     return
                 self._drop("socket-error", exc)
                 continue
+            if frames is None:
+                continue
             try:
-                msg = self.parse(list(frames))
+                msg = self.parse(frames)
             except ProtocolError as exc:
                 self._drop(str(exc).split(":")[0], exc)
                 continue
@@ -252,6 +363,8 @@ class ControlPlane:
             await asyncio.sleep(0)
 
     def _drop(self, cause: str, exc: BaseException) -> None:
+        if cause not in self.dropped and len(self.dropped) >= _MAX_CAUSES:
+            cause = "other"
         self.dropped[cause] += 1
         now = time.monotonic()
         if now - self._last_warn > 1.0:

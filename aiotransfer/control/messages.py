@@ -2,7 +2,8 @@
 
 Every message is a tagged struct; decoding checks types, and :func:`validate` checks values (sizes,
 ranges). A message that fails either is a :class:`~aiotransfer.errors.ProtocolError`: the endpoint
-counts it, logs it and drops it.
+counts it, logs it and drops it. An error's text up to its first colon is a fixed cause (the drop counter's
+key), never a value from the wire, so the counters stay bounded whatever a peer sends.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ __all__ = [
     "unpack_indices",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2: signed messages bind their sender and destination endpoints (see :mod:`.endpoint`)."""
 _INDEX_DTYPE = np.dtype("<i4")
 _MAX_LIST = 1 << 16
 
@@ -317,16 +319,16 @@ def _check_room(room: int) -> None:
 
 
 def _check_buffers(buffers: list[BufferSpec], what: str) -> None:
-    _check(len(buffers) <= _MAX_LIST, f"too many {what} buffers")
+    _check(len(buffers) <= _MAX_LIST, f"too many buffers: {what}")
     for b in buffers:
-        _check(b.ptr > 0 and b.nbytes >= 0 and b.item_len > 0, f"bad {what} buffer {b}")
-        _check(b.ptr + b.nbytes < (1 << 64), f"{what} buffer exceeds the address space")
+        _check(b.ptr > 0 and b.nbytes >= 0 and b.item_len > 0, f"bad buffer: {what} {b}")
+        _check(b.ptr + b.nbytes < (1 << 64), f"buffer exceeds the address space: {what}")
 
 
 def validate(msg: Message) -> None:
     """Value checks beyond types."""
     if isinstance(msg, Hello):
-        _check(msg.version == PROTOCOL_VERSION, f"protocol version {msg.version} != {PROTOCOL_VERSION}")
+        _check(msg.version == PROTOCOL_VERSION, f"protocol version mismatch: {msg.version} != {PROTOCOL_VERSION}")
         _check_buffers(msg.kv, "kv")
         _check_buffers(msg.aux, "aux")
         for s in msg.state:
@@ -336,7 +338,7 @@ def validate(msg: Message) -> None:
         _check(msg.pp_size >= 1 and 0 <= msg.pp_rank < msg.pp_size, "bad pp rank")
         _check(msg.page_size >= 1, "bad page size")
     elif isinstance(msg, HelloAck):
-        _check(msg.version == PROTOCOL_VERSION, f"protocol version {msg.version} != {PROTOCOL_VERSION}")
+        _check(msg.version == PROTOCOL_VERSION, f"protocol version mismatch: {msg.version} != {PROTOCOL_VERSION}")
     elif isinstance(msg, TransferRequest):
         _check_room(msg.room)
         _check(len(msg.kv_indices) % _INDEX_DTYPE.itemsize == 0, "kv_indices is not a whole int32 array")
@@ -344,10 +346,10 @@ def validate(msg: Message) -> None:
         _check(1 <= msg.required_dst_info_num <= 4096, "bad required_dst_info_num")
         for kind, idx in msg.state_indices.items():
             _check(len(kind) <= 64 and len(idx) <= (1 << 24), "bad state indices")
-            _check(all(i >= 0 for i in idx), f"negative {kind} state index")
+            _check(all(i >= 0 for i in idx), f"negative state index: {kind}")
     elif isinstance(msg, Status):
         _check_room(msg.room)
-        _check(msg.status in (0, 1, 2, 3, 4), f"bad status {msg.status}")
+        _check(msg.status in (0, 1, 2, 3, 4), f"bad status: {msg.status}")
         _check(len(msg.reason) <= 4096, "reason too long")
     elif isinstance(msg, AuxData):
         _check_room(msg.room)
@@ -377,7 +379,7 @@ def validate(msg: Message) -> None:
         _check(msg.nbytes % per_buffer == 0 if msg.stream else msg.nbytes == len(msg.buffers) * per_buffer,
                "staged size does not match its geometry")
     elif isinstance(msg, (RankRegister, TopologyQuery, Topology)):
-        _check(msg.version == PROTOCOL_VERSION, f"protocol version {msg.version} != {PROTOCOL_VERSION}")
+        _check(msg.version == PROTOCOL_VERSION, f"protocol version mismatch: {msg.version} != {PROTOCOL_VERSION}")
         if isinstance(msg, RankRegister):
             r = msg.rank
             _check(0 <= r.tp_rank < msg.tp_size and 0 <= r.pp_rank < msg.pp_size and 0 <= r.cp_rank < msg.cp_size,

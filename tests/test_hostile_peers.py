@@ -206,6 +206,21 @@ async def test_a_signed_message_naming_another_sender_is_refused() -> None:
         assert m.stats()["control_received"] == 0
 
 
+async def test_a_sender_restarted_on_its_endpoint_is_heard_at_once() -> None:
+    """Replay state is per endpoint: a new process on the same endpoint signs with counters above the old one's."""
+    async with _managers(1, hmac_key=KEY) as (m,):
+        port = 0
+        for n in (1, 2):
+            plane = ControlPlane("127.0.0.1", port, lambda _: None, max_sockets=4, max_message_bytes=MiB,
+                                 hmac_key=KEY)
+            await plane.start()
+            port = int(plane.endpoint.rsplit(":", 1)[1])
+            await plane.send(m.endpoint, Ping(endpoint=plane.endpoint, nonce=n), timeout=5)
+            await wait_until(lambda n=n: m.stats()["control_received"] == n)  # type: ignore[misc]
+            await plane.aclose()
+        assert sum(m.stats()["control_dropped"].values()) == 0
+
+
 def test_replay_state_is_per_sender_bounded_and_forgets() -> None:
     guard = ReplayGuard(window=30.0, max_senders=3)
     assert guard.accept("a", 10) and guard.accept("b", 5)

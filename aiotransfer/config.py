@@ -98,7 +98,9 @@ class TransferConfig:
     before it is assembled (see docs/security.md for what ZeroMQ itself buffers)."""
     max_peers: int = 4096
     """Peers whose liveness (last sign of life, blacklisting, incarnation) is tracked at once; only peers a
-    room of this manager depends on are tracked, and the least recently needed is forgotten first."""
+    room of this manager depends on are tracked, and the least recently needed is forgotten first. Also the
+    decode ranks registered with a prefill at once (a registration past it is dropped,
+    ``dropped_too-many-peers``)."""
     max_pending_per_room: int = 64
     """Transfer requests stashed for one room whose sender does not exist yet (one per decode rank)."""
     max_pending_bytes: int = 256 * 1024 * 1024
@@ -126,6 +128,10 @@ class TransferConfig:
     yield would wait behind one for a time slice, ~1-3 ms)."""
     pending_request_ttl: float = 600.0
     """How long transfer requests for a room nobody created a sender for are kept."""
+    tombstone_ttl: float = 600.0
+    """Prefill side: how long a room that failed here (aborted by its decode, or drained) is remembered, so
+    that a transfer request for it arriving late is refused with the room's reason, and a sender opened for
+    it fails at once (at most ``max_rooms`` are kept; ``stats()['tombstones']``)."""
 
     lag_probe_interval: float = 0.01
     """Period of the event-loop lag probe feeding ``stats()['latency']['loop_lag']``; 0 disables it."""
@@ -173,7 +179,7 @@ class TransferConfig:
                 f"aux_path must be one of {[p.value for p in AuxPath]}, got {self.aux_path!r}"
             ) from None
         for name in ("handshake_timeout", "ready_timeout", "transfer_timeout", "done_timeout",
-                     "heartbeat_interval", "peer_timeout"):
+                     "heartbeat_interval", "peer_timeout", "tombstone_ttl"):
             _positive(name, getattr(self, name))
         for name in (
             "max_entries_in_flight",

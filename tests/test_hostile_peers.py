@@ -493,8 +493,6 @@ async def test_hostile_peer_fuzzer(bounded: bool) -> None:
 
 
 
-@pytest.mark.xfail(strict=True, reason="the prefill fails an open room on a request from an unregistered "
-                   "endpoint that is not one of the room's decode ranks")
 async def test_a_request_from_a_stranger_leaves_an_open_room_alone() -> None:
     async with _managers(1) as (p,), _managers(1) as (d,):
         tx, _ = await _open_room(p, d, 1, [1])

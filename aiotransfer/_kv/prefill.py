@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -21,26 +20,24 @@ from ..convert import check_convertible, page_geometry
 from ..errors import AiotransferError, EngineError, InvalidArgument, ProtocolError, TransferTimeout
 from ..layout import KVPairing, RankGeometry, pair_buffers
 from ..plan import check_range, check_unique
-from ..receiver import decode_reason
-from ..sender import KVSender
 from ..status import KVPoll
 from ..topology import head_slice
 from .context import RankContext
 from .notify import Notifier
 from .peers import DecodePeer, PendingRequests, Stashed
+from .room import SenderRoom, decode_reason
+from .tombstones import Tombstones
 
 __all__ = ["PrefillSide"]
 
 log = logging.getLogger("aiotransfer.manager")
-
-_REFUSED_MAX = 4096
 
 
 class PrefillSide:
     """Registrations from decode ranks and their requests, handed to this rank's senders."""
 
     def __init__(
-        self, ctx: RankContext, senders: Mapping[int, KVSender], draining: Mapping[int, KVSender],
+        self, ctx: RankContext, senders: Mapping[int, SenderRoom], draining: Mapping[int, SenderRoom],
         notifier: Notifier, fail_rooms_with: Callable[[str, str], list[int]],
     ) -> None:
         self._ctx = ctx
@@ -51,14 +48,19 @@ class PrefillSide:
         self.decode_peers: dict[str, DecodePeer] = {}
         self.pending = PendingRequests(ctx.config.pending_request_ttl, ctx.config.max_rooms,
                                        per_room=ctx.config.max_pending_per_room, max_bytes=ctx.config.max_pending_bytes)
-        self._refused: OrderedDict[int, str] = OrderedDict()
-        """Rooms whose request was refused before their sender existed (it fails with the same reason)."""
+        self.tombstones = Tombstones(ctx.config.tombstone_ttl, ctx.config.max_rooms)
+        """Rooms that failed here, or whose request was refused before their sender existed: a late request
+        for one is refused, and a sender opened for one fails, with the room's reason."""
         self._hellos: dict[str, asyncio.Task[None]] = {}
         """Registrations being checked (engine handshake), by decode endpoint."""
 
     # -- registration -----------------------------------------------------------------------------
     def on_hello(self, msg: Hello) -> None:
         if msg.endpoint in self._hellos:
+            return
+        ctx = self._ctx
+        if msg.endpoint not in self.decode_peers and len(self.decode_peers) + len(self._hellos) >= ctx.config.max_peers:
+            ctx.drop("too-many-peers", msg.endpoint)  # registrations are bounded: the decode waits out its own
             return
         task = self._ctx.spawn(self._answer_hello(msg), f"hello-{msg.endpoint}")
         self._hellos[msg.endpoint] = task
@@ -190,12 +192,10 @@ class PrefillSide:
             ctx.drop("unregistered-peer", f"request for room {req.room} from {req.endpoint}")
             self._refuse(req, reason)
             tx = self._senders.get(req.room)
-            if tx is not None:
+            if tx is None:
+                self.tombstones.bury(req.room, reason)
+            elif self._may_speak_for(tx, req.endpoint):  # a stranger to an open room leaves it alone
                 tx.update(KVPoll.Failed, reason)
-            else:
-                self._refused[req.room] = reason
-                while len(self._refused) > _REFUSED_MAX:
-                    self._refused.popitem(last=False)
             return
         if req.generation != peer.hello.generation:
             ctx.drop("stale-generation", f"room {req.room} from {req.endpoint}")
@@ -210,13 +210,19 @@ class PrefillSide:
             ctx.drop("invalid-request", str(exc))
             reason = f"invalid transfer request: {exc}"
             tx = self._senders.get(req.room)
-            if tx is not None:
+            if tx is not None and self._may_speak_for(tx, req.endpoint):
                 ctx.spawn(tx.abort(reason), "fail")
             if tx is None or req.endpoint not in tx.decode_endpoints:
                 self._refuse(req, reason)
             return
         tx = self._senders.get(req.room)
         if tx is None:
+            ended = self.tombstones.reason(req.room)
+            if ended is not None:  # a late request for a room that failed here: never served
+                ctx.counters["late_requests_refused"] += 1
+                ctx.drop("room-ended", f"request for room {req.room} from {req.endpoint}: {ended}")
+                self._refuse(req, ended)
+                return
             for room, items, why, counter in self.pending.add(req.room, Stashed(peer, req, idx)):
                 ctx.counters[counter] += 1
                 # nothing is dropped silently: the decode ranks learn why their request went nowhere
@@ -224,6 +230,12 @@ class PrefillSide:
                     ctx.spawn(self._notifier.failure(room, [s.peer.endpoint for s in items], why), "expire")
             return
         self.accept(tx, peer, req, idx)
+
+    @staticmethod
+    def _may_speak_for(tx: SenderRoom, endpoint: str) -> bool:
+        """Whether a request from ``endpoint`` may fail ``tx``: one of its decode ranks, or any decode rank
+        while none has spoken for the room yet (it waits for a request and this one cannot be served)."""
+        return not tx.decode_endpoints or endpoint in tx.decode_endpoints
 
     def _refuse(self, req: TransferRequest, reason: str) -> None:
         self._ctx.spawn(self._notifier.failure(req.room, [req.endpoint], reason), "refuse")
@@ -254,16 +266,16 @@ class PrefillSide:
             await asyncio.shield(hello_task)
         self.on_request(req)
 
-    def accept(self, tx: KVSender, peer: DecodePeer, req: TransferRequest, idx: np.ndarray) -> None:
+    def accept(self, tx: SenderRoom, peer: DecodePeer, req: TransferRequest, idx: np.ndarray) -> None:
         self._ctx.liveness.activate(req.endpoint)
         reason = tx.admit(peer, req, idx)
         if reason is not None:
             self._ctx.drop("refused-request", reason)
             self._refuse(req, reason)
 
-    def opened(self, tx: KVSender) -> None:
+    def opened(self, tx: SenderRoom) -> None:
         """A sender was just created: hand it the requests that came before it (or the refusal of one)."""
-        refused = self._refused.pop(tx.room, None)
+        refused = self.tombstones.reason(tx.room)
         if refused is not None:
             tx.update(KVPoll.Failed, refused)
             return
@@ -281,11 +293,20 @@ class PrefillSide:
             tx.update(KVPoll.Failed, decode_reason(msg.reason))
             return True
         if self.pending.pop(msg.room) is not None:
-            self.drained_now(msg.room, msg.endpoint)  # nothing was posted for a stashed request
+            self.drained_now(msg.room, msg.endpoint, decode_reason(msg.reason))  # nothing was posted for it
             return True
         return msg.room in self._draining  # the acknowledgement follows when the room has drained
 
-    def drained_now(self, room: int, endpoint: str) -> None:
-        """Nothing of ``room`` can write into ``endpoint``'s pages from here: say so."""
+    def drained_now(self, room: int, endpoint: str, reason: str | None = None) -> None:
+        """Nothing of ``room`` can write into ``endpoint``'s pages from here: say so. With ``reason`` (the
+        decode aborted a room this rank holds nothing of) the room is remembered as failed, so that a request
+        for it still on its way is refused."""
+        if reason is not None and self._senders.get(room) is None:
+            self.tombstones.bury(room, reason)
         self._ctx.spawn(self._notifier.drained(room, [endpoint]), "drained")
+
+    def ended(self, tx: SenderRoom) -> None:
+        """A sender of ours became terminal: a failed room is remembered (see :attr:`tombstones`)."""
+        if tx.status is KVPoll.Failed:
+            self.tombstones.bury(tx.room, tx.failure_reason or "failed")
 

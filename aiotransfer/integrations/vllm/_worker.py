@@ -4,6 +4,8 @@ Plain Python (no vLLM import). vLLM's model runner calls in from its own thread;
 coroutine on the manager's loop thread, and its outcome comes back through :meth:`WorkerSide.finished`.
 A room is reported finished only once its pages are released (:meth:`KVSender.released` /
 :meth:`KVReceiver.released`), so vLLM never frees or reuses a block an engine may still read or write.
+Every request the scheduler hands over is reported: one whose room cannot open (the room taken, too many
+rooms) is reported failed at once, as no engine touched its blocks.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 from ...args import KVArgs
 from ...errors import AiotransferError, TransferTimeout
@@ -29,6 +31,8 @@ from ._scheduler import Orders, RecvJob, SendJob
 __all__ = ["WorkerSide"]
 
 log = logging.getLogger("aiotransfer.integrations.vllm")
+
+_Side = TypeVar("_Side", KVSender, KVReceiver)
 
 
 def _reason(exc: BaseException) -> str:
@@ -48,6 +52,7 @@ class WorkerSide:
         self._endpoint: str | None = None
         self._lock = threading.Lock()
         self._rooms: dict[str, KVSender | KVReceiver] = {}  # req_id -> room, while it runs
+        self._opening: dict[str, str | None] = {}  # req_id -> abort reason (None: none yet), room not open yet
         self._sent: set[str] = set()  # finished sends (released) not yet reported
         self._received: set[str] = set()  # finished receives (released) not yet reported
         self._sends: set[str] = set()  # requests with a send not yet reported
@@ -125,7 +130,7 @@ class WorkerSide:
         """Called before the forward pass: ask prefills for KV, abort rooms whose request ended."""
         bg = self._require()
         for job in orders.recv:
-            self._spawn(bg, job.req_id, self._receive(job))
+            self._spawn(bg, job.req_id, functools.partial(self._receive, job))
         for req_id in orders.abort:
             self._abort(bg, req_id)
         for room, endpoint in orders.forgo:
@@ -138,40 +143,76 @@ class WorkerSide:
         for job in orders.send:
             with self._lock:
                 self._sends.add(job.req_id)
-            self._spawn(bg, job.req_id, self._send(job))
+            self._spawn(bg, job.req_id, functools.partial(self._send, job))
 
     def _require(self) -> BackgroundManager:
         if self._bg is None:
             raise AiotransferError("aiotransfer connector: KV caches are not registered (or shut down)")
         return self._bg
 
-    def _spawn(self, bg: BackgroundManager, req_id: str, coro: Any) -> None:
+    def _spawn(self, bg: BackgroundManager, req_id: str, room_task: Callable[[], Awaitable[None]]) -> None:
+        """Run a request's room task on the loop thread. From here on the request counts as in flight: an
+        abort that comes before its room opens is kept for it (:meth:`_open`), and whatever happens to the
+        room, the request is reported finished (:meth:`_conclude`)."""
+        with self._lock:
+            self._opening[req_id] = None
+
         async def run(_: KVManager) -> None:
-            await coro
+            await room_task()
 
         def check(fut: concurrent.futures.Future[None]) -> None:
             if not fut.cancelled() and fut.exception() is not None:
                 log.error("request %s: room task failed: %r", req_id, fut.exception())
 
-        bg.submit(run).add_done_callback(check)
+        try:
+            bg.submit(run).add_done_callback(check)
+        except BaseException:
+            with self._lock:
+                self._opening.pop(req_id, None)
+            raise
 
     def _abort(self, bg: BackgroundManager, req_id: str) -> None:
+        reason = f"vLLM request {req_id} ended before its KV transfer did"
         with self._lock:
             side = self._rooms.get(req_id)
+            opening = side is None and req_id in self._opening
+            if opening:
+                self._opening[req_id] = reason  # its room task aborts the room as soon as it opens
+        if side is None and not opening:
+            return  # already concluded: its report is on its way
+        self.stats["aborted"] += 1
         if side is not None:
-            self.stats["aborted"] += 1
-            bg.submit(lambda m: side.abort(f"vLLM request {req_id} ended before its KV transfer did"))
+            bg.submit(lambda m: side.abort(reason))
 
     # -- one room --------------------------------------------------------------------------------
+    def _open(self, req_id: str, make: Callable[[KVManager], _Side]) -> _Side:
+        """Open a request's room with ``make(manager)``. Raises if it cannot be opened (a duplicate room,
+        too many rooms, the manager closed), or, once it is open, if vLLM ended the request meanwhile: the
+        room task then fails the room and reports the request."""
+        try:
+            side = make(self._require().manager)
+        except Exception as exc:
+            with self._lock:
+                self._opening.pop(req_id, None)
+            raise AiotransferError(f"its room could not be opened: {_reason(exc)}") from exc
+        except BaseException:
+            with self._lock:
+                self._opening.pop(req_id, None)
+            raise
+        with self._lock:
+            aborted = self._opening.pop(req_id, None)
+            self._rooms[req_id] = side
+        if aborted is not None:
+            raise AiotransferError(aborted)
+        return side
+
     async def _send(self, job: SendJob) -> None:
         cfg = self._config
-        mgr = self._require().manager
-        tx = mgr.sender(job.room)
-        with self._lock:
-            self._rooms[job.req_id] = tx
         self.stats["sends"] += 1
+        tx: KVSender | None = None
         failure: str | None = None
         try:
+            tx = self._open(job.req_id, lambda m: m.sender(job.room))
             await tx.wait_ready(timeout=cfg.lease)
             wanted = tx.num_pages or 0
             if wanted > len(job.block_ids):
@@ -183,22 +224,21 @@ class WorkerSide:
             await tx.done(timeout=cfg.transfer_timeout)
         except BaseException as exc:  # any failure, cancellation included, ends the room on both sides
             failure = _reason(exc)
-            await tx.abort(failure)
+            if tx is not None:
+                await tx.abort(failure)
             if not isinstance(exc, Exception):
                 raise
         finally:
-            await self._conclude(job.req_id, tx, failure, sending=True, blocks=())
+            await self._conclude(job.req_id, job.room, tx, failure, sending=True, blocks=())
 
     async def _receive(self, job: RecvJob) -> None:
         cfg = self._config
-        mgr = self._require().manager
-        rx = mgr.receiver(job.room, peer=job.endpoint)
-        with self._lock:
-            self._rooms[job.req_id] = rx
         self.stats["receives"] += 1
+        rx: KVReceiver | None = None
         failure: str | None = None
         start = time.monotonic()
         try:
+            rx = self._open(job.req_id, lambda m: m.receiver(job.room, peer=job.endpoint))
             states = {STATE_KIND: [job.state_block]} if job.state_block is not None else None
             await rx.send_metadata(list(job.block_ids), state_indices=states, timeout=cfg.transfer_timeout)
             await rx.done(timeout=max(cfg.transfer_timeout - (time.monotonic() - start), 0.001))
@@ -206,25 +246,28 @@ class WorkerSide:
             self.loads.append((job.req_id, time.monotonic() - start, moved))
         except BaseException as exc:  # any failure, cancellation included, ends the room on both sides
             failure = _reason(exc)
-            await rx.abort(failure)
+            if rx is not None:
+                await rx.abort(failure)
             if not isinstance(exc, Exception):
                 raise
         finally:
-            await self._conclude(job.req_id, rx, failure, sending=False, blocks=job.block_ids)
+            await self._conclude(job.req_id, job.room, rx, failure, sending=False, blocks=job.block_ids)
 
-    async def _conclude(self, req_id: str, side: KVSender | KVReceiver, failure: str | None, *, sending: bool,
-                        blocks: Iterable[int]) -> None:
-        """Wait until the room's pages are provably untouched, then report the request finished."""
+    async def _conclude(self, req_id: str, room: int, side: KVSender | KVReceiver | None, failure: str | None, *,
+                        sending: bool, blocks: Iterable[int]) -> None:
+        """Wait until the room's pages are provably untouched, then report the request finished. A room
+        that never opened (``side`` None) touched nothing: its request is reported at once, as failed."""
         what = "send" if sending else "load"
         if sending and failure is not None and FORGONE in failure:
             # The decode never needed this KV (it ended, or its prefix cache held it): expected, not an error.
             self.stats["sends_forgone"] += 1
-            log.info("aiotransfer: KV %s of request %s (room %d) not needed: %s", what, req_id, side.room, failure)
+            log.info("aiotransfer: KV %s of request %s (room %d) not needed: %s", what, req_id, room, failure)
         elif failure is not None:
             self.stats["sends_failed" if sending else "receives_failed"] += 1
-            log.warning("aiotransfer: KV %s of request %s (room %d) failed: %s", what, req_id, side.room, failure)
+            log.warning("aiotransfer: KV %s of request %s (room %d) failed: %s", what, req_id, room, failure)
         try:
-            await side.released(timeout=self._config.release_timeout)
+            if side is not None:
+                await side.released(timeout=self._config.release_timeout)
         except TransferTimeout as exc:
             # Never hand back what an engine may still touch: these blocks stay out of vLLM's pool.
             self.stats["withheld"] += 1
@@ -278,7 +321,7 @@ class WorkerSide:
     def counts(self) -> dict[str, int]:
         """Rooms in flight and reports pending (a leak check), plus the running totals."""
         with self._lock:
-            return {"in_flight": len(self._rooms), "unreported_sends": len(self._sent),
+            return {"in_flight": len(self._rooms) + len(self._opening), "unreported_sends": len(self._sent),
                     "unreported_receives": len(self._received), "withheld": len(self._withheld), **self.stats}
 
     @staticmethod

@@ -3,6 +3,7 @@ control messages to the part that handles them (see :mod:`aiotransfer._kv` for t
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import secrets
@@ -54,7 +55,7 @@ from .engines.registry import create_engine
 from .errors import AiotransferError, ClosedError, InvalidArgument
 from .events import PeerEvent, PeerEvents
 from .metrics import Metrics
-from .receiver import KVReceiver
+from .receiver import KVReceiver, decode_reason
 from .sender import KVSender
 from .status import KVPoll
 from .topology import ParallelInfo
@@ -234,29 +235,56 @@ class KVManager:
         await self.aclose()
 
     async def aclose(self, timeout: float = 5.0) -> None:
-        """Fail open rooms, drain the poll loop, deregister memory, close sockets (in that order)."""
+        """Fail open rooms, drain the poll loop, deregister memory, close sockets (in that order).
+
+        Engine writes still in flight after ``timeout`` are waited for in the background, at most the release
+        quarantine, before the rest: until they are over, the engine stays open with our memory registered,
+        and the control port stays bound, answering nothing. A decode takes a port that refuses connections
+        for proof that nothing of ours can land in its pages any more; it must not while our engine may."""
         ctx = self._ctx
         if ctx.closed:
             return
         ctx.closed = True
+        self._handlers.clear()  # closing: every message that still comes is ignored
         for side in [*self._senders.values(), *self._receivers.values()]:
             side.update(KVPoll.Failed, "manager closed")
         await self._liveness.aclose()
         await ctx.cancel_tasks()
-        remaining = 0
-        if ctx.poller_or_none is not None:
-            remaining = await ctx.poller_or_none.aclose(timeout)
-        engine = ctx.engine_or_none
-        if engine is not None and self._registered and remaining == 0:
-            with contextlib.suppress(AiotransferError):
-                await ctx.offload.run(engine.deregister, self._regions, timeout=timeout, what="memory deregistration")
-            self._registered = False
-        if ctx.control_or_none is not None:
-            await ctx.control_or_none.aclose()
-        if engine is not None and self._own_engine and remaining == 0:
-            with contextlib.suppress(AiotransferError):
-                await ctx.offload.run(engine.close, timeout=timeout, what="engine close")
-        ctx.offload.shutdown(wait=False)
+
+        async def finish(draining: asyncio.Task[Any] | None) -> None:
+            remaining: int = await draining if draining is not None else 0  # bounded by the drain's own bound
+            engine = ctx.engine_or_none
+            if engine is not None and self._registered and remaining == 0:
+                with contextlib.suppress(AiotransferError):
+                    await ctx.offload.run(engine.deregister, self._regions, timeout=timeout,
+                                          what="memory deregistration")
+                self._registered = False
+            if ctx.control_or_none is not None and remaining == 0:  # else bound until the process exits
+                await ctx.control_or_none.aclose()
+            if engine is not None and self._own_engine and remaining == 0:
+                with contextlib.suppress(AiotransferError):
+                    await ctx.offload.run(engine.close, timeout=timeout, what="engine close")
+            ctx.offload.shutdown(wait=False)
+
+        poller = ctx.poller_or_none
+        if poller is None:
+            await finish(None)
+            return
+        # the poll loop keeps running while it waits: the engine reports the writes over as they end
+        bound = max(timeout, self.config.quarantine_s)
+        draining = ctx.spawn(poller.aclose(bound), "close-drain")
+        try:
+            await asyncio.wait({draining}, timeout=timeout)
+        except asyncio.CancelledError:
+            ctx.spawn(finish(draining), "close")
+            raise
+        if not draining.done():
+            log.warning("%d engine transfers still in flight after %.3gs: the engine, our registered memory and "
+                        "control port %s stay open until they are over (at most %.3gs)", poller.in_flight, timeout,
+                        self.endpoint, bound)
+            ctx.spawn(finish(draining), "close")
+            return
+        await finish(draining)
 
     def describe(self) -> dict[str, Any]:
         """Static facts: engine, transport actually installed, session, endpoint, geometry, and what stages
@@ -281,6 +309,7 @@ class KVManager:
             "senders_active": len(self._senders),
             "receivers_active": len(self._receivers),
             "pending_requests": len(self._prefill.pending),
+            "tombstones": len(self._prefill.tombstones),
             "decode_peers": len(self._prefill.decode_peers),
             "prefill_peers": len(self._client.peers),
             "in_flight": p.in_flight if p else 0,
@@ -361,7 +390,11 @@ class KVManager:
         rooms: dict[int, Any] = self._senders if prefill else self._receivers
         if rooms.get(side.room) is side:
             del rooms[side.room]
-        self._life.ended(side)
+        if isinstance(side, KVSender):
+            self._prefill.ended(side)
+            self._life.ended(tx=side)
+        elif isinstance(side, KVReceiver):
+            self._life.ended(rx=side)
         role = "prefill" if prefill else "decode"
         if status is KVPoll.Failed:
             self.metrics.failure(side.failure_reason or "failed")
@@ -371,7 +404,10 @@ class KVManager:
         self.counters[f"rooms_{'sent' if prefill else 'received'}_{status.name.lower()}"] += 1
 
     def _on_released(self, side: RoomSide, cause: str) -> None:
-        self._life.released(side, cause)
+        if isinstance(side, KVSender):
+            self._life.released(cause, tx=side)
+        elif isinstance(side, KVReceiver):
+            self._life.released(cause, rx=side)
 
     # -- liveness ------------------------------------------------------------------------------
     def _active_peers(self) -> set[str]:
@@ -454,4 +490,5 @@ class KVManager:
         if mismatch or not self._decode.on_abort(msg):
             if not mismatch:
                 self._ctx.drop("unknown-room", f"abort for room {msg.room}")
-            self._prefill.drained_now(msg.room, msg.endpoint)  # nothing of that room is in flight here
+            # nothing of that room is in flight here; a request for it still on its way is refused
+            self._prefill.drained_now(msg.room, msg.endpoint, decode_reason(msg.reason))

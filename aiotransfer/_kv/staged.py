@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .._deadline import Deadline
-from .._poller import Hold
+from .._poller import WriteGuard, joint
 from ..control.messages import Staged, StagedAck, StageGrant, StageRequest
 from ..control.rendezvous import Rendezvous
 from ..convert import gather_tokens, scatter_tokens
@@ -26,7 +26,6 @@ from ..layout import units_per_page
 from ..plan import Blocks, units_of
 from ..staging import RowSlice, StagingArena
 from .context import RankContext, engine_failures
-from .ledger import joint
 from .peers import DecodePeer
 
 __all__ = ["StagingGrantor", "StagingRoom", "StagingWriter", "PIECE_BYTES"]
@@ -83,7 +82,7 @@ class StagingWriter:
 
     async def write(
         self, room: int, peer: DecodePeer, src: np.ndarray, dst_start: int, slices: tuple[RowSlice, RowSlice],
-        deadline: Deadline, hold: Hold | None = None,
+        deadline: Deadline, guard: WriteGuard,
     ) -> None:
         """Gather -> one engine entry -> decode scatters, per piece, pipelined: one gather at a time (the
         copies are CPU-bound), its decode-side space asked for while it runs; writes in flight as long as
@@ -108,11 +107,11 @@ class StagingWriter:
             )
 
         await self._pieces(room, peer, int(src.size), s_sl.bytes_per_page * len(src_buffers), gather, staged_msg,
-                           deadline, hold)
+                           deadline, guard)
 
     async def write_tokens(
         self, room: int, peer: DecodePeer, pages: np.ndarray, tokens: int, first: int, deadline: Deadline,
-        hold: Hold | None = None,
+        guard: WriteGuard,
     ) -> None:
         """Stream ``tokens`` tokens held by our ``pages`` (from their first row) to the room's tokens from
         ``first`` on: gathered with our geometry, scattered by the decode with its own."""
@@ -140,11 +139,11 @@ class StagingWriter:
                 head_bytes=pairing.head_bytes, buffers=[], stream=True,
             )
 
-        await self._pieces(room, peer, tokens, per_token, gather, staged_msg, deadline, hold)
+        await self._pieces(room, peer, tokens, per_token, gather, staged_msg, deadline, guard)
 
     async def _pieces(
         self, room: int, peer: DecodePeer, total: int, per_item: int, gather: Callable[[int, int, int], None],
-        staged_msg: Callable[[StageGrant, int, int, int], Staged], deadline: Deadline, hold: Hold | None,
+        staged_msg: Callable[[StageGrant, int, int, int], Staged], deadline: Deadline, guard: WriteGuard,
     ) -> None:
         """Items ``[0, total)`` (pages or tokens) of ``per_item`` bytes each, piece by piece; ``gather(a, b,
         off)`` copies items ``[a, b)`` into our arena at ``off`` (on an offload thread)."""
@@ -167,9 +166,10 @@ class StagingWriter:
                         deadline,
                     ))
                     try:
+                        guard.admit()  # the room may have failed while this piece waited for space
                         await ctx.offload.run(gather, a, b, lease.off,
                                               timeout=deadline.remaining(), what="staging gather",
-                                              on_done=joint(hold, lease.lend)())
+                                              on_done=joint(guard.take, lease.lend)())
                     except AiotransferError:
                         raise
                     except Exception as exc:
@@ -185,8 +185,8 @@ class StagingWriter:
                     )
                     posted = True
                     # the slice (and the room's pages) stay held until the engine is done with the write
-                    await ctx.poller.write(peer.session_id, blocks, timeout=deadline.remaining(),
-                                           hold=joint(hold, lease.lend))
+                    await ctx.poller.write(peer.session_id, blocks, timeout=deadline.remaining(), guard=guard,
+                                           hold=lease.lend)
                 lease.release()  # the engine has read our copy
                 ack = await self._call(peer.endpoint, staged_msg(grant, a, b, nbytes), deadline)
                 if not ack.ok:
@@ -266,7 +266,14 @@ class StagingRoom(Protocol):
 
 
 class StagingGrantor:
-    """Decode side: grant arena space to a prefill rank's piece, then scatter it into the room's pages."""
+    """Decode side: grant arena space to a prefill rank's piece, then scatter it into the room's pages.
+
+    A grant is keyed by the asking rank's endpoint, the room and the request id. A prefill's ids are unique
+    only within its process: one restarted on the same endpoint counts from 1 again, for rooms of its own,
+    while grants to its old process's rooms are still held. A request that repeats a key whose space is still
+    granted (or being acquired) is refused with the reason; it never replaces the first grant, whose space
+    comes back when its piece lands or when its room is released.
+    """
 
     def __init__(self, ctx: RankContext, lookup: Callable[[int], StagingRoom | None],
                  ended: Callable[[int], StagingRoom | None]) -> None:
@@ -275,13 +282,23 @@ class StagingGrantor:
         """An open room of ours, by number"""
         self._ended = ended
         """A room that ended here but still holds its pages, by number"""
-        self._grants: dict[tuple[str, int], tuple[int, int, int]] = {}
-        """(prefill endpoint, req id) -> (room, offset, nbytes) granted"""
+        self._grants: dict[tuple[str, int, int], tuple[int, int]] = {}
+        """(prefill endpoint, room, req id) -> (offset, nbytes) granted"""
+        self._asking: set[tuple[str, int, int]] = set()
+        """Keys of requests waiting for arena space"""
 
     def on_request(self, msg: StageRequest) -> None:
         ctx = self._ctx
         rx = self._lookup(msg.room)
         if rx is not None and msg.endpoint in rx.sources:
+            key = (msg.endpoint, msg.room, msg.req_id)
+            if key in self._grants or key in self._asking:
+                ctx.drop("repeated-staging-request", f"room {msg.room} piece {msg.req_id} from {msg.endpoint}")
+                reason = f"staging request {msg.req_id} for room {msg.room} repeats one whose space is still held"
+                ctx.spawn(ctx.reply(msg.endpoint, StageGrant(room=msg.room, req_id=msg.req_id, offset=0,
+                                                             granted=False, reason=reason)), "stage-refuse")
+                return
+            self._asking.add(key)
             ctx.spawn(self._grant(msg), "stage-grant")
             return
         ended = self._ended(msg.room)
@@ -297,7 +314,9 @@ class StagingGrantor:
 
     async def _grant(self, msg: StageRequest) -> None:
         arena = self._ctx.arena
+        key = (msg.endpoint, msg.room, msg.req_id)
         if arena is None:
+            self._asking.discard(key)
             answer = StageGrant(room=msg.room, req_id=msg.req_id, offset=0, granted=False,
                                 reason="decode has no staging arena")
         else:
@@ -308,10 +327,12 @@ class StagingGrantor:
                     answer = StageGrant(room=msg.room, req_id=msg.req_id, offset=0, granted=False,
                                         reason=f"room {msg.room} is not open here")
                 else:
-                    self._grants[(msg.endpoint, msg.req_id)] = (msg.room, off, msg.nbytes)
+                    self._grants[key] = (off, msg.nbytes)
                     answer = StageGrant(room=msg.room, req_id=msg.req_id, offset=off, granted=True)
             except (InvalidArgument, TransferTimeout) as exc:
                 answer = StageGrant(room=msg.room, req_id=msg.req_id, offset=0, granted=False, reason=str(exc))
+            finally:
+                self._asking.discard(key)
         await self._ctx.reply(msg.endpoint, answer)
 
     def release_room(self, room: int) -> int:
@@ -319,8 +340,8 @@ class StagingGrantor:
         space granted to its pieces that never arrived. Returns the bytes freed."""
         arena = self._ctx.arena
         freed = 0
-        for key, (r, off, n) in list(self._grants.items()):
-            if r == room and arena is not None:
+        for key, (off, n) in list(self._grants.items()):
+            if key[1] == room and arena is not None:
                 del self._grants[key]
                 arena.release(off, n)
                 freed += n
@@ -330,20 +351,20 @@ class StagingGrantor:
 
     def on_staged(self, msg: Staged) -> None:
         ctx = self._ctx
-        grant = self._grants.pop((msg.endpoint, msg.req_id), None)
+        grant = self._grants.pop((msg.endpoint, msg.room, msg.req_id), None)
         if grant is None:
             ctx.drop("unexpected-staged", f"room {msg.room} piece {msg.req_id}")
             return
-        room, off, nbytes = grant
+        off, nbytes = grant
         arena = ctx.arena
         assert arena is not None
-        if room == msg.room and off == msg.offset and msg.n_pages == 0:  # the prefill gave the space back unused
+        if off == msg.offset and msg.n_pages == 0:  # the prefill gave the space back unused
             arena.release(off, nbytes)
             ctx.counters["staging_space_returned"] += 1
             ctx.spawn(ctx.reply(msg.endpoint, StagedAck(room=msg.room, req_id=msg.req_id, ok=True)), "staged-ack")
             return
         rx = self._lookup(msg.room)
-        if room != msg.room or off != msg.offset or msg.nbytes > nbytes:
+        if off != msg.offset or msg.nbytes > nbytes:
             scatter: Callable[[], None] | str = "staged piece does not match its grant"
         elif rx is None or rx.pages is None:
             scatter = f"room {msg.room} is not open here"

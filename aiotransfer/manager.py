@@ -3,7 +3,6 @@ control messages to the part that handles them (see :mod:`aiotransfer._kv` for t
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import secrets
@@ -14,7 +13,7 @@ from typing import Any, cast
 import numpy as np
 
 from . import _threads
-from ._kv import upkeep
+from ._kv import shutdown, upkeep
 from ._kv.client import PrefillClient
 from ._kv.context import RankContext
 from ._kv.decode import DecodeSide
@@ -238,9 +237,7 @@ class KVManager:
         """Fail open rooms, drain the poll loop, deregister memory, close sockets (in that order).
 
         Engine writes still in flight after ``timeout`` are waited for in the background, at most the release
-        quarantine, before the rest: until they are over, the engine stays open with our memory registered,
-        and the control port stays bound, answering nothing. A decode takes a port that refuses connections
-        for proof that nothing of ours can land in its pages any more; it must not while our engine may."""
+        quarantine, before the rest (see :func:`aiotransfer._kv.shutdown.close_down`)."""
         ctx = self._ctx
         if ctx.closed:
             return
@@ -251,40 +248,8 @@ class KVManager:
         await self._liveness.aclose()
         await ctx.cancel_tasks()
 
-        async def finish(draining: asyncio.Task[Any] | None) -> None:
-            remaining: int = await draining if draining is not None else 0  # bounded by the drain's own bound
-            engine = ctx.engine_or_none
-            if engine is not None and self._registered and remaining == 0:
-                with contextlib.suppress(AiotransferError):
-                    await ctx.offload.run(engine.deregister, self._regions, timeout=timeout,
-                                          what="memory deregistration")
-                self._registered = False
-            if ctx.control_or_none is not None and remaining == 0:  # else bound until the process exits
-                await ctx.control_or_none.aclose()
-            if engine is not None and self._own_engine and remaining == 0:
-                with contextlib.suppress(AiotransferError):
-                    await ctx.offload.run(engine.close, timeout=timeout, what="engine close")
-            ctx.offload.shutdown(wait=False)
-
-        poller = ctx.poller_or_none
-        if poller is None:
-            await finish(None)
-            return
-        # the poll loop keeps running while it waits: the engine reports the writes over as they end
-        bound = max(timeout, self.config.quarantine_s)
-        draining = ctx.spawn(poller.aclose(bound), "close-drain")
-        try:
-            await asyncio.wait({draining}, timeout=timeout)
-        except asyncio.CancelledError:
-            ctx.spawn(finish(draining), "close")
-            raise
-        if not draining.done():
-            log.warning("%d engine transfers still in flight after %.3gs: the engine, our registered memory and "
-                        "control port %s stay open until they are over (at most %.3gs)", poller.in_flight, timeout,
-                        self.endpoint, bound)
-            ctx.spawn(finish(draining), "close")
-            return
-        await finish(draining)
+        await shutdown.close_down(ctx, self._regions, registered=self._registered, own_engine=self._own_engine,
+                                  timeout=timeout)
 
     def describe(self) -> dict[str, Any]:
         """Static facts: engine, transport actually installed, session, endpoint, geometry, and what stages
@@ -479,16 +444,7 @@ class KVManager:
         self._ctx.spawn(self._ctx.reply(msg.endpoint, pong), "pong")
 
     def _on_abort(self, msg: Abort) -> None:
-        # a decode words every abort "aborted by decode: <why>"; a mismatch counts whether or not the room is
-        # still open here (it usually is not: the mismatch is found after our Success)
-        mismatch = msg.reason.removeprefix("aborted by decode: ").startswith("checksum mismatch")
-        if mismatch:
-            self.counters["checksum_mismatches_reported"] += 1
-            log.error("decode %s reports for room %d: %s", msg.endpoint, msg.room, msg.reason)
-        if self._prefill.on_abort(msg):
-            return
-        if mismatch or not self._decode.on_abort(msg):
-            if not mismatch:
-                self._ctx.drop("unknown-room", f"abort for room {msg.room}")
+        if not self._prefill.on_abort(msg) and not self._decode.on_abort(msg):
+            self._ctx.drop("unknown-room", f"abort for room {msg.room}")
             # nothing of that room is in flight here; a request for it still on its way is refused
             self._prefill.drained_now(msg.room, msg.endpoint, decode_reason(msg.reason))

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from .. import _trace
 from ..aux_state import StateType
 from ..control.messages import PROTOCOL_VERSION, Abort, Hello, HelloAck, TransferRequest, unpack_indices
 from ..convert import check_convertible, page_geometry
@@ -178,6 +179,7 @@ class PrefillSide:
 
     # -- requests ---------------------------------------------------------------------------------
     def on_request(self, req: TransferRequest) -> None:
+        _trace.recorder is None or _trace.mark(req.room, "request_in")
         ctx = self._ctx
         peer = self.decode_peers.get(req.endpoint)
         pending_hello = self._hellos.get(req.endpoint)
@@ -287,15 +289,23 @@ class PrefillSide:
         """A decode rank gave up on a room (and asks for a drain acknowledgement); False when the abort is
         not for a room of ours. A room that has not heard from any decode rank yet takes the abort from any
         decode rank: the abort may come before its request could (a cancelled first contact)."""
+        # a decode words every abort "aborted by decode: <why>"; a checksum mismatch is counted whether or not
+        # the room is still open here (it usually is not: the mismatch is found after our Success)
+        mismatch = msg.reason.removeprefix("aborted by decode: ").startswith("checksum mismatch")
+        if mismatch:
+            self._ctx.counters["checksum_mismatches_reported"] += 1
+            log.error("decode %s reports for room %d: %s", msg.endpoint, msg.room, msg.reason)
         tx = self._senders.get(msg.room)
         if tx is not None and (msg.endpoint in tx.decode_endpoints or not tx.decode_endpoints):
             # stops posting at once; the drain acknowledgement follows when its last handle is terminal
             tx.update(KVPoll.Failed, decode_reason(msg.reason))
             return True
-        if self.pending.pop(msg.room) is not None:
+        if msg.room in self._draining:
+            return True  # the acknowledgement follows when the room has drained
+        if self.pending.pop(msg.room) is not None or mismatch:
             self.drained_now(msg.room, msg.endpoint, decode_reason(msg.reason))  # nothing was posted for it
             return True
-        return msg.room in self._draining  # the acknowledgement follows when the room has drained
+        return False
 
     def drained_now(self, room: int, endpoint: str, reason: str | None = None) -> None:
         """Nothing of ``room`` can write into ``endpoint``'s pages from here: say so. With ``reason`` (the

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from ..control.messages import TransferRequest
     from .peers import DecodePeer
 
-__all__ = ["ReceiverRoom", "RoomSide", "SenderRoom", "decode_reason"]
+__all__ = ["ReceiverRoom", "RoomSide", "SenderRoom", "StagingRoom", "decode_reason"]
 
 
 def decode_reason(reason: str) -> str:
@@ -56,10 +56,8 @@ class SenderRoom(_Room, Protocol):
     def admit(self, peer: DecodePeer, req: TransferRequest, kv_indices: np.ndarray) -> str | None: ...
 
 
-class ReceiverRoom(_Room, Protocol):
-    """What the decode side of a rank needs of one of its rooms (a ``KVReceiver``)."""
-
-    aux_index: int | None
+class StagingRoom(Protocol):
+    """What the staging grantor needs of a decode room: the prefill ranks that send it data, and its pages."""
 
     @property
     def sources(self) -> Mapping[str, int]: ...
@@ -71,9 +69,18 @@ class ReceiverRoom(_Room, Protocol):
     def num_tokens(self) -> int: ...
 
     @property
-    def awaiting_drain(self) -> list[str]: ...
+    def failure_reason(self) -> str | None: ...
 
     def hold(self) -> Callable[[], None]: ...
+
+
+class ReceiverRoom(_Room, StagingRoom, Protocol):
+    """What the decode side of a rank needs of one of its rooms (a ``KVReceiver``)."""
+
+    aux_index: int | None
+
+    @property
+    def awaiting_drain(self) -> list[str]: ...
 
     def on_drained(self, endpoint: str, cause: str = ...) -> bool: ...
 

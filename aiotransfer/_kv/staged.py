@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from ..plan import Blocks, units_of
 from ..staging import RowSlice, StagingArena
 from .context import RankContext, engine_failures
 from .peers import DecodePeer
+from .room import StagingRoom
 
 __all__ = ["StagingGrantor", "StagingRoom", "StagingWriter", "PIECE_BYTES"]
 
@@ -245,24 +246,6 @@ def piece_pages(per_page: int, local_arena: int, remote_arena: int) -> int:
     """Pages per staged piece: about :data:`PIECE_BYTES`, at most a quarter of either arena, at least one."""
     cap = max(per_page, min(local_arena // 4, remote_arena // 4, PIECE_BYTES))
     return max(1, cap // per_page)
-
-
-class StagingRoom(Protocol):
-    """What the grantor needs of a decode room: the prefill ranks that send it data, and its pages."""
-
-    @property
-    def sources(self) -> Mapping[str, int]: ...
-
-    @property
-    def pages(self) -> np.ndarray | None: ...
-
-    @property
-    def num_tokens(self) -> int: ...
-
-    @property
-    def failure_reason(self) -> str | None: ...
-
-    def hold(self) -> Callable[[], None]: ...
 
 
 class StagingGrantor:

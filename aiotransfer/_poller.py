@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol, TypeAlias
 
+from . import _trace
 from ._deadline import reap, within
 from ._offload import Offloader
 from .engines.base import EngineStatus, TransferEngine, TransferHandle, WaitMode
@@ -249,6 +250,7 @@ class Poller:
                 except BaseException:
                     credits.release(len(piece))
                     raise
+                _trace.recorder is None or _trace.submitted(handle, guard)
                 futures.append(self._track(handle, hold))
                 if submitting is not None:
                     submitting()
@@ -378,6 +380,7 @@ class Poller:
             pass
 
     def _finish(self, handle: TransferHandle) -> None:
+        _trace.recorder is None or _trace.completed(handle)
         fut = self._polled.pop(handle, None)
         if fut is not None:
             self._polled_bytes -= handle.nbytes

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _trace
 from ._deadline import Deadline
 from ._kv.client import PrefillClient, Route
 from ._kv.context import RankContext, annotate, validate_state_indices
@@ -152,7 +153,9 @@ class KVReceiver(RoomSide):
             for ep, req in route.requests:
                 if self._failed():  # the rest are not asked; those asked were told by the abort
                     raise TransferFailed(self._reason or "failed", room=self.room)
+                _trace.recorder is None or _trace.mark(self.room, "request_send")
                 await self._client.send_one(ep, req, deadline)
+                _trace.recorder is None or _trace.mark(self.room, "request_sent")
         except BaseException as exc:
             self._sent = False
             if isinstance(exc, (TransferTimeout, PeerError)):
@@ -181,6 +184,7 @@ class KVReceiver(RoomSide):
                                   room=self.room, peer=self.peer)
         if self._status is KVPoll.Failed:
             raise TransferFailed(self._reason or "failed", room=self.room)
+        _trace.recorder is None or _trace.mark(self.room, "done")
 
     async def abort(self, reason: str = "aborted by decode") -> None:
         """Fail the room here and tell every prefill rank that may hold it, whether or not the metadata

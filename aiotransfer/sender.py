@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _trace
 from ._deadline import Deadline, within
 from ._kv.context import RankContext, annotate, validate_state_indices
 from ._kv.ledger import Ledger
@@ -331,6 +332,7 @@ class KVSender(RoomSide):
     def _succeed(self) -> None:
         """The one way the room concludes: every chunk landed, the declared aux and state too, and Success
         has left for the decode rank(s) (or nothing moves: every decode rank made this rank a dummy)."""
+        _trace.recorder is None or _trace.mark(self.room, "success_out")
         self._kv_done = True
         self._concluding = True
         self.update(KVPoll.Success)

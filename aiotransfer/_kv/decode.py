@@ -7,6 +7,7 @@ import ctypes
 import logging
 from collections.abc import Callable, Mapping
 
+from .. import _trace
 from ..control.messages import Abort, AuxData, Drained, Status
 from ..errors import AiotransferError
 from ..integrity import fold, region_crcs
@@ -41,6 +42,7 @@ class DecodeSide:
         self._ctx.counters["drains_acknowledged"] += 1
 
     def on_status(self, msg: Status) -> None:
+        _trace.recorder is None or _trace.mark(msg.room, "status_in")
         if msg.status == int(KVPoll.Failed) and "unregistered decode rank" in msg.reason:
             self._forget_prefill(msg.endpoint)  # it does not know us (restarted): register again next time
         rx = self._receivers.get(msg.room)

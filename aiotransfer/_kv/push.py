@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import _trace
 from .._deadline import Deadline
 from .._poller import WriteGuard
 from ..args import Buffer
@@ -267,6 +268,7 @@ class Pusher:
                                                            what="transfer planning")
                 else:
                     blocks = self._blocks(peer, src, dst, runs)
+                _trace.recorder is None or _trace.mark(room, "planned")
                 await ctx.poller.write(peer.session_id, blocks, timeout=deadline.remaining(), on_done=on_done,
                                        guard=guard)
             ctx.counters["kv_bytes_sent"] += blocks.nbytes

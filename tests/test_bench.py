@@ -242,3 +242,86 @@ def test_child_last_message_arrives_whole_before_it_exits() -> None:
     line = out.decode().splitlines()[-1]
     msg = json.loads(line[len("@aiotransfer "):])
     assert msg["event"] == "result" and len(msg["blob"]) == 100_000
+
+
+# ----------------------------------------------------------------------------------------------------
+# the floor of a small room, and the trace hook it reads
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_floor_phase_tiny_on_mooncake(tmp_path: Path) -> None:
+    """ZMQ round trip, raw writes and rooms in the same two processes; every traced room has every mark."""
+    from aiotransfer._cli.suite.floor import PATH, SIDE, SIZES
+
+    out = tmp_path / "floor.json"
+    proc = _bench("--tiny", "--engines", "mooncake_tcp", "--phases", "floor", "--out", str(out), "--img-dir", "",
+                  timeout=50)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    fl = res["engines"]["mooncake_tcp"]["phases"]["floor"]
+    assert "error" not in fl, fl.get("error")
+    assert fl["clock"]["consistent"] is True and "CLOCK_MONOTONIC" in fl["clock"]["prefill"]
+    reps = fl["rounds"] * fl["reps_per_round"]
+    assert fl["zmq_rtt"]["n"] == fl["zmq_rtt_yield"]["n"] == reps and fl["zmq_rtt"]["p50_us"] > 0
+    assert set(fl["sizes"]) == {str(s) for s in SIZES}
+    for v in fl["sizes"].values():
+        assert v["raw"]["n"] == v["room"]["n"] == v["room_traced"]["n"] == reps
+        assert v["floor_p50_us"] == pytest.approx(fl["zmq_rtt"]["p50_us"] + v["raw"]["p50_us"], abs=0.02)
+        assert v["ratio_p50"] == pytest.approx(v["room"]["p50_us"] / v["floor_p50_us"], rel=0.01)
+        st = v["stages"]
+        assert st["rooms"] == st["complete"] == reps  # the library's marks fire on the path while tracing is on
+        assert [(r["from"], r["to"]) for r in st["path"]] == [(a, b) for a, b, _, _ in PATH]
+        assert [(r["from"], r["to"]) for r in st["side"]] == [(a, b) for a, b, _, _ in SIDE]
+        assert all(r["n"] == reps and r["p50_us"] >= 0 for r in st["path"])
+        assert st["total"]["n"] == reps and st["total"]["p50_us"] > 0
+    assert fl["switches_rooms"] == 3 * reps and "loop" in fl["switches_per_room"]["decode"]
+    text = (tmp_path / "floor.md").read_text()
+    assert "room / floor" in text and "request_in -> ready" in text
+    assert "The floor of a small room" in proc.stdout
+
+
+def test_trace_records_only_while_on() -> None:
+    from aiotransfer import _trace
+
+    class Guard:
+        room = 7
+
+    handle = object()
+    assert _trace.recorder is None  # off by default, and no test leaves it on
+    _trace.mark(1, "start")
+    _trace.submitted(handle, Guard())
+    _trace.completed(handle)
+    rec = _trace.start()
+    try:
+        _trace.mark(1, "start")
+        _trace.recorder is None or _trace.mark(1, "end")  # the form the library's path uses
+        _trace.submitted(handle, Guard())
+        _trace.submitted(object(), object())  # a write without a room is not marked
+        _trace.completed(handle)
+        _trace.completed(handle)  # seen once
+    finally:
+        assert _trace.stop() is rec
+    assert _trace.recorder is None
+    _trace.mark(2, "start")  # off again: nothing more
+    marks = rec.take()
+    assert [(r, s) for r, s, _ in marks] == [(1, "start"), (1, "end"), (7, "submitted"), (7, "engine_done")]
+    assert all(isinstance(t, int) for _, _, t in marks) and [t for _, _, t in marks] == sorted(t for _, _, t in marks)
+    assert rec.take() == [] and rec.dropped == 0
+    small = _trace.Recorder(limit=1)
+    small.add(1, "a", 1)
+    small.add(1, "b", 2)
+    assert small.marks == [(1, "a", 1)] and small.dropped == 1
+
+
+def test_floor_breakdown_from_marks() -> None:
+    from aiotransfer._cli.suite.floor import PATH, breakdown
+
+    stages = [a for a, _, _, _ in PATH] + ["end"]
+    marks = [(r, s, 1000 * (i + 1) * (r - 9)) for r in (10, 11) for i, s in enumerate(stages)]
+    marks += [(10, "request_sent", 9_000), (10, "start", 10**9), (99, "start", 0)]  # a room's first mark counts
+    bd = breakdown(marks, [10, 11])
+    assert bd["rooms"] == 2 and bd["complete"] == 0  # no success_out, request_sent only in one
+    assert [r["p50_us"] for r in bd["path"]] == [1.5] * len(PATH)
+    assert bd["total"]["p50_us"] == 1.5 * len(PATH) and bd["total"]["n"] == 2
+    side = {(r["from"], r["to"]): r for r in bd["side"]}
+    assert side[("request_send", "request_sent")]["n"] == 1 and side[("request_send", "request_sent")]["p50_us"] == 7.0
+    assert side[("engine_done", "success_out")]["n"] == 0

@@ -485,8 +485,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite", choices=("default", "full", "lifecycle", "streaming", "conversion", "vllm"),
                    default="default",
                    help="default: figures (a)-(c) of raw Mooncake vs aiotransfer; full: the performance suite "
-                        "(throughput vs size, scattered, loop-lag CDF, concurrency, 4 KiB latency, send_aux by "
-                        "path, TP 4->2, engines), JSON + PNG plots; lifecycle: abort -> released() latency; "
+                        "(throughput vs size, scattered, loop-lag CDF, concurrency, 4 KiB latency, the floor of a "
+                        "small room, send_aux by path, TP 4->2, engines), JSON + PNG plots; lifecycle: abort -> released() latency; "
                         "streaming: layer streaming's exposed transfer time; conversion: page-size and layout "
                         "conversion throughput against plain staging; "
                         "vllm: PD through AiotransferConnector vs vLLM's NixlConnector (run with the vLLM "
@@ -511,7 +511,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="engine configurations, comma-separated (default mooncake_tcp,nixl_shm,nixl_tcp; each "
                            "runs in its own pair of processes)")
     full.add_argument("--phases", default=None,
-                      help="subset of ceilings,throughput,scattered,lag,concurrency,e2e,aux,tp (default all)")
+                      help="subset of ceilings,throughput,scattered,lag,concurrency,e2e,floor,aux,tp (default all)")
     full.add_argument("--img-dir", default="docs/img", help="where the PNG plots go (default docs/img; '' for none)")
     full.add_argument("--replot", metavar="JSON", default=None,
                       help="re-derive the table and plots from a saved --suite full JSON (runs nothing)")

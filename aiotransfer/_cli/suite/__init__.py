@@ -30,6 +30,10 @@ Phases (per engine configuration; see ``ENGINES`` for which run where):
 * ``concurrency``: 1..256 requests in flight; aggregate throughput and latency, raw and aiotransfer.
 * ``e2e``: 4 KiB ``send_kv`` through ``done()`` on both sides; timestamps from ``time.monotonic``
   (``CLOCK_MONOTONIC``: one clock for every process on Linux, checked in the run).
+* ``floor``: a small room (4 KiB, 64 KiB, 1 MiB) from the decode's ``send_metadata`` to its ``done()``
+  against its floor, one ZeroMQ round trip between two control planes plus one raw write, all in the
+  same two processes; the room's stages from :mod:`aiotransfer._trace` marks in both processes, and thread
+  wake-ups per room (:mod:`~aiotransfer._cli.suite.floor`, tables in :mod:`~aiotransfer._cli.suite.floor_report`).
 * ``aux``: ``send_aux`` latency by path (``aux_path="engine"`` vs ``"tcp"``).
 * ``tp``: a Llama-8B-shaped request moved from prefill TP 4 (4 managers in the prefill worker: one
   Mooncake engine per process is shared) to decode TP 2 (2 managers in the decode worker), head-sliced,
@@ -42,6 +46,7 @@ Modules: :mod:`~aiotransfer._cli.suite.common` (engine configurations, parameter
 patterns), :mod:`~aiotransfer._cli.suite.ceilings`, :mod:`~aiotransfer._cli.suite.decode` (the decode
 worker), :mod:`~aiotransfer._cli.suite.context` (what the phases share on the prefill side), the phases
 (:mod:`~aiotransfer._cli.suite.bulk`, :mod:`~aiotransfer._cli.suite.latency`,
-:mod:`~aiotransfer._cli.suite.tp`), :mod:`~aiotransfer._cli.suite.worker` (the workers' entry point),
-:mod:`~aiotransfer._cli.suite.run` (the orchestrator) and :mod:`~aiotransfer._cli.suite.report`.
+:mod:`~aiotransfer._cli.suite.floor`, :mod:`~aiotransfer._cli.suite.tp`),
+:mod:`~aiotransfer._cli.suite.worker` (the workers' entry point), :mod:`~aiotransfer._cli.suite.run` (the
+orchestrator), :mod:`~aiotransfer._cli.suite.report` and :mod:`~aiotransfer._cli.suite.floor_report`.
 """

@@ -59,16 +59,16 @@ class EngineSpec:
     phases: tuple[str, ...]
 
 
-ALL_PHASES = ("ceilings", "throughput", "scattered", "lag", "concurrency", "e2e", "aux", "tp")
+ALL_PHASES = ("ceilings", "throughput", "scattered", "lag", "concurrency", "e2e", "floor", "aux", "tp")
 
 ENGINES: dict[str, EngineSpec] = {
     "mooncake_tcp": EngineSpec(
         "mooncake_tcp", "mooncake_tcp", "Mooncake TCP", {}, (),
-        ("throughput", "scattered", "lag", "concurrency", "e2e", "aux", "tp"),
+        ("throughput", "scattered", "lag", "concurrency", "e2e", "floor", "aux", "tp"),
     ),
     "nixl_shm": EngineSpec(
         "nixl_shm", "nixl", "NIXL UCX (default TLS: shm)", {}, ("UCX_TLS",),
-        ("throughput", "scattered", "lag", "concurrency", "e2e", "aux"),
+        ("throughput", "scattered", "lag", "concurrency", "e2e", "floor", "aux"),
     ),
     "nixl_tcp": EngineSpec(
         "nixl_tcp", "nixl", "NIXL UCX_TLS=tcp", {"UCX_TLS": "tcp"}, (),
@@ -95,6 +95,9 @@ class Params:
     conc_size: int = 256 * KIB
     conc_requests: int = 512
     e2e_reps: int = 300
+    floor_rounds: int = 5
+    floor_reps: int = 40
+    """``floor``: rounds of every measurement (rotated order), and repetitions of each per round."""
     aux_reps: int = 300
     aux_bytes: int = 4 * KIB
     tp_tokens: int = 4096
@@ -130,13 +133,15 @@ def make_params(*, quick: bool, tiny: bool, repeats: int | None, seed: int, host
         p = Params(
             scale="tiny", repeats=1, sizes=[64 * KIB, MIB], sizes_nixl_tcp=[MIB], scattered_pages=512,
             lag_seconds=0.25, lag_inflight=4, lag_size=MIB, conc_levels=[1, 8], conc_size=64 * KIB,
-            conc_requests=16, e2e_reps=10, aux_reps=10, tp_tokens=64, tp_layers=2, tp_always_repeats=1,
+            conc_requests=16, e2e_reps=10, floor_rounds=1, floor_reps=3, aux_reps=10, tp_tokens=64, tp_layers=2,
+            tp_always_repeats=1,
         )
     elif quick:
         p = Params(
             scale="quick", repeats=2, sizes=[64 * KIB, MIB, 16 * MIB, 64 * MIB], sizes_nixl_tcp=[MIB, 64 * MIB],
             scattered_pages=2_000, lag_seconds=0.6, lag_inflight=8, lag_size=4 * MIB, conc_levels=[1, 16, 256],
-            conc_size=256 * KIB, conc_requests=256, e2e_reps=40, aux_reps=40, tp_tokens=512, tp_layers=4,
+            conc_size=256 * KIB, conc_requests=256, e2e_reps=40, floor_rounds=3, floor_reps=20, aux_reps=40,
+            tp_tokens=512, tp_layers=4,
             tp_always_repeats=1,
         )
     else:

@@ -23,6 +23,7 @@ from ..channel import open_parent_channel
 from ..workload import I64, KVPool, count_bad_pages
 from .ceilings import TcpSink
 from .common import ENGINES, TIMEOUT, Params, aux_pattern, tp_bad_pages
+from .floor import DecodeFloor
 
 __all__ = ["decode_worker"]
 
@@ -45,6 +46,7 @@ async def decode_worker(ns: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     setups: dict[str, _DSetup] = {}
     sink: list[TcpSink] = []
+    floor = DecodeFloor(params.host)
 
     async def off(fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.wait_for(loop.run_in_executor(worker, fn, *args), TIMEOUT)
@@ -198,6 +200,8 @@ async def decode_worker(ns: argparse.Namespace) -> int:
             return {}
         if op == "clock":
             return {"t": time.monotonic()}
+        if op.startswith("floor_"):
+            return await floor.handle(cmd, lambda name: setups[name].mgrs[0])
         if op == "stats":
             s = setups[cmd["name"]]
             return {"stats": [{k: v for k, v in m.stats().items() if isinstance(v, int)} for m in s.mgrs]}
@@ -206,6 +210,7 @@ async def decode_worker(ns: argparse.Namespace) -> int:
     try:
         await chan.serve(handle, idle_timeout=7200.0, send_timeout=60.0, trace=True)
     finally:
+        await floor.aclose()
         for name in list(setups):
             await close_setup(name)
         for t in sink:

@@ -19,6 +19,7 @@ from .bulk import phase_ceilings, phase_concurrency, phase_lag, phase_scattered,
 from .common import ENGINES, Params
 from .context import Ctx, DecodeClient
 from .decode import decode_worker
+from .floor import phase_floor
 from .latency import phase_aux, phase_e2e
 from .tp import phase_tp
 
@@ -32,6 +33,7 @@ PHASES: dict[str, Callable[[Ctx], Awaitable[dict[str, Any]]]] = {
     "lag": phase_lag,
     "concurrency": phase_concurrency,
     "e2e": phase_e2e,
+    "floor": phase_floor,
     "aux": phase_aux,
     "tp": phase_tp,
 }

@@ -8,13 +8,14 @@ export MC_LOG_LEVEL ?= WARNING
 export NO_MKDOCS_2_WARNING ?= 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup demo test test-gpu lint format typecheck docs docs-serve bench interop vllm clean
+.PHONY: help setup demo test test-gpu soak lint format typecheck docs docs-serve bench interop vllm clean
 
 help:
 	@echo "make setup    create .venv, install Debian libraries and pip packages (idempotent)"
 	@echo "make demo     run the demo: one prefill -> decode KV-cache transfer on this machine"
 	@echo "make test     ruff + mypy + mkdocs --strict + pytest (what CI runs)"
 	@echo "make test-gpu the GPU tests (CUDA KV on both sides, device staging); they skip without a GPU"
+	@echo "make soak     the interleaving state machine with a large example budget (SOAK_EXAMPLES, SOAK_STEPS)"
 	@echo "make lint     ruff + mypy"
 	@echo "make format   ruff format + ruff check --fix"
 	@echo "make docs     build the documentation into site/"
@@ -38,6 +39,13 @@ test: setup
 
 test-gpu: setup
 	$(BIN)/pytest -m gpu -s
+
+SOAK_EXAMPLES ?= 2000
+SOAK_STEPS    ?= 60
+
+soak: setup
+	AIOTRANSFER_INTERLEAVING_EXAMPLES=$(SOAK_EXAMPLES) AIOTRANSFER_INTERLEAVING_STEPS=$(SOAK_STEPS) \
+		$(BIN)/pytest -q -s -p no:cacheprovider -o timeout=0 tests/test_interleavings.py
 
 lint: setup
 	$(BIN)/ruff check .

@@ -95,9 +95,9 @@ class Params:
     conc_size: int = 256 * KIB
     conc_requests: int = 512
     e2e_reps: int = 300
-    floor_rounds: int = 5
-    floor_reps: int = 40
-    """``floor``: rounds of every measurement (rotated order), and repetitions of each per round."""
+    floor_rounds: int = 10
+    floor_reps: int = 20
+    """``floor``: rounds of every measurement (a random order each), and repetitions of each per round."""
     aux_reps: int = 300
     aux_bytes: int = 4 * KIB
     tp_tokens: int = 4096
@@ -140,7 +140,7 @@ def make_params(*, quick: bool, tiny: bool, repeats: int | None, seed: int, host
         p = Params(
             scale="quick", repeats=2, sizes=[64 * KIB, MIB, 16 * MIB, 64 * MIB], sizes_nixl_tcp=[MIB, 64 * MIB],
             scattered_pages=2_000, lag_seconds=0.6, lag_inflight=8, lag_size=4 * MIB, conc_levels=[1, 16, 256],
-            conc_size=256 * KIB, conc_requests=256, e2e_reps=40, floor_rounds=3, floor_reps=20, aux_reps=40,
+            conc_size=256 * KIB, conc_requests=256, e2e_reps=40, floor_rounds=4, floor_reps=15, aux_reps=40,
             tp_tokens=512, tp_layers=4,
             tp_always_repeats=1,
         )

@@ -2,7 +2,8 @@
 
 A room's floor is one control message from the decode to the prefill (the metadata), the engine write,
 and one message back (``Success``): one ZeroMQ round trip plus one raw write. In the same two processes,
-alternating in rotated order, round after round, with 1 ms between repetitions (as in ``e2e``):
+in blocks, round after round, each round in a new random order, with 1 ms between repetitions (as in
+``e2e``):
 
 * ``zmq``: a :class:`~aiotransfer.control.messages.Ping` from a
   :class:`~aiotransfer.control.endpoint.ControlPlane` in the decode worker to one in the prefill worker,
@@ -355,9 +356,10 @@ async def phase_floor(ctx: Ctx) -> dict[str, Any]:
             traced[s].clear()
         switches = {"prefill": {}, "decode": {}}
         rooms_switched = 0
-        for rnd in range(p.floor_rounds):
-            k = rnd % len(items)
-            for key, run in items[k:] + items[:k]:
+        rng = np.random.default_rng([p.seed, 0xF100])
+        for _ in range(p.floor_rounds):  # a fresh order every round: no measurement always follows the same one
+            for i in rng.permutation(len(items)):
+                key, run = items[int(i)]
                 samples.setdefault(key, []).extend(await run(p.floor_reps))
         await ctx.verify("floor", tag, np.arange(pages), what="floor (raw and rooms)")
         await ctx.dec.call("floor_close")

@@ -7,8 +7,11 @@ write's completion, engine credit (two entries in flight per peer), and the deli
 topology and registration answers (held back to make a route slow). A hypothesis state machine
 interleaves opening rooms, metadata, whole and streamed sends, aborts from either side, ``done()`` and
 ``released()`` waits with short timeouts, restarts of any manager on its port, heartbeats, forged
-duplicate Success reports, engine completions and failures, and time. After every step, once the loop is
-quiet, it checks:
+duplicate Success reports, engine completions and failures, and time. Each step runs the loop until it
+is quiet: every message sent has arrived and was delivered (manager by manager, each sender's in order),
+and nothing moves; the loop's clock runs twenty times slower than real time, so timeouts expire when a
+step advances it, at the same step on every replay. Staging is off (direct writes only). After every
+step it checks:
 
 (a) no engine write is live over (or posted into) a decode page that is free, that changed hands while
     the write was live, or whose room the decode released; the decode frees a room's pages, as a
@@ -21,8 +24,8 @@ Differences the checks allow. By design, from the docs: a prefill stage that con
 decode failed the room (the decode gave up, or the other stage failed: each stage concludes on its own); a
 stage that no request of the decode reached (it has no room to share a reason with yet); two sides that
 fail on their own in the same instant (aborts that cross, timeouts that expire together, both stages'
-writes failing at once: the decode takes the first reason it hears), each keeping its own reason; rooms open on a manager that restarted (the dead side ends with ``manager closed``). Not by
-design: a stage told of a failure by the decode's abort words it ``aborted by decode: <reason>`` where the
+writes failing at once: the decode takes the first reason it hears), each keeping its own reason; rooms
+open on a manager that restarted (the dead side ends with ``manager closed``). Not by design: a stage told of a failure by the decode's abort words it ``aborted by decode: <reason>`` where the
 decode's own reason is ``<reason>`` (another stage's failure, a restarted or refusing stage), although the
 docs promise the same text on both sides; the checks tolerate this wording difference.
 

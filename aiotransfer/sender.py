@@ -108,7 +108,10 @@ class KVSender(RoomSide):
         if status is KVPoll.Failed:
             # Interrupt sends in progress (peer declared dead, abort...): they return at once; the engine
             # transfers they started keep their buffers pinned until the engine reports them done.
-            current = asyncio.current_task()
+            try:
+                current = asyncio.current_task()
+            except RuntimeError:  # no loop runs: the room failed as it was opened, from synchronous code
+                current = None
             for task in list(self._guarded):
                 if task is not current and task not in self._interrupted:
                     self._interrupted.add(task)

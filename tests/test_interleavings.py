@@ -934,9 +934,6 @@ def test_a_duplicate_success_under_another_rank_completes_nothing() -> None:
     _run(DuplicateSuccess, "duplicate success")
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "a prefill that learns from a heartbeat that its decode restarted fails every room with that endpoint, "
-    "rooms the new decode opened after registering again included, and does not tell the decode"))
 def test_a_decode_restart_seen_late_fails_only_the_old_rooms() -> None:
     """The decode restarts on its port and opens a room with the new process (which registers again);
     only then does a heartbeat show the prefill stages the new incarnation. The room the new decode opened

@@ -152,17 +152,44 @@ async def test_an_abort_without_metadata_reaches_a_prefill_restarted_on_the_same
         port = int(endpoint.rsplit(":", 1)[1])
         async with KVManager(kv_args(src), config.replace(control_port=port)) as new:
             assert new.endpoint == endpoint
-            tx = new.sender(2) if sender_first else None
+            late: Any = new.sender(2) if sender_first else None
             rx = dec.receiver(2, endpoint)
             with pytest.raises(InvalidArgument):
                 await rx.send_metadata([PAGES + 1])
             received = new.stats()["control_received"]
             await rx.abort("scheduler gave up")
             await until(lambda: new.stats()["control_received"] > received)  # the abort came first
-            if tx is None:
-                tx = new.sender(2)
+            if late is None:
+                late = new.sender(2)
             loop = asyncio.get_running_loop()
             t0 = loop.time()
             with pytest.raises(TransferFailed, match="scheduler gave up"):
-                await tx.wait_ready(timeout=20)
+                await late.wait_ready(timeout=20)
             assert loop.time() - t0 < 5.0, "the new prefill waited out wait_ready"
+
+
+def test_a_sender_for_a_tombstoned_room_fails_at_once_from_synchronous_code() -> None:
+    """A scheduler that opens rooms from a thread without a running loop gets a failed room, not an
+    error from asyncio."""
+    from aiotransfer._kv.tombstones import Tombstones
+
+    tombs = Tombstones(ttl=60.0, cap=2)
+    tombs.bury(7, "aborted by decode: gone")
+    tombs.bury(8, "aborted by decode: gone too")
+    tombs.bury(9, "aborted by decode: and this")
+    assert tombs.reason(7) is None and tombs.reason(9) == "aborted by decode: and this" and len(tombs) == 2
+
+    async def opened() -> Any:
+        mgr = KVManager(kv_args(make_buffers(2 * LAYERS, PAGES, ITEM, None)), TransferConfig(engine="mooncake_tcp"))
+        await mgr.start()
+        return mgr
+
+    loop = asyncio.new_event_loop()
+    try:
+        mgr = loop.run_until_complete(opened())
+        mgr._prefill.tombstones.bury(5, "aborted by decode: client went away")
+        tx = mgr.sender(5)  # outside the loop
+        assert tx.poll() is KVPoll.Failed and tx.failure_reason == "aborted by decode: client went away"
+        loop.run_until_complete(mgr.aclose())
+    finally:
+        loop.close()

@@ -161,6 +161,10 @@ class PrefillClient:
             )
         if not ack.accepted:
             raise IncompatiblePeer(f"{endpoint} refused registration: {ack.reason}", peer=endpoint)
+        if ack.incarnation:
+            # a prefill that restarted shows it here, before any room is asked of the new process: rooms of
+            # its old process fail now, not when a later heartbeat would also fail the new ones
+            ctx.liveness.incarnation(endpoint, ack.incarnation)
         peer = PrefillPeer(endpoint, ack)
         self.peers[endpoint] = peer
         return peer
@@ -171,7 +175,7 @@ class PrefillClient:
         a, engine, arena = ctx.args, ctx.engine, ctx.arena
         probe = engine.probe_region
         return Hello(
-            version=PROTOCOL_VERSION, endpoint=ctx.endpoint, generation=secrets.randbits(62),
+            version=PROTOCOL_VERSION, endpoint=ctx.endpoint, generation=secrets.randbits(62), incarnation=ctx.generation,
             engine=ctx.engine_name, session_id=engine.session_id, engine_info=engine.local_info(),
             probe_addr=probe.ptr if probe is not None else a.kv[0].ptr, compat=ctx.compat,
             kv=[BufferSpec(b.ptr, b.nbytes, b.item_len, b.layer_id) for b in a.kv],

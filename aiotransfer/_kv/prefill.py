@@ -162,6 +162,10 @@ class PrefillSide:
                 reason = f"our engine cannot reach yours ({hello.session_id}): {exc}"
         if reason is None:
             assert isinstance(verdict, KVPairing)
+            if hello.incarnation:
+                # a decode that restarted shows it here, before it can open a room with us: rooms of its old
+                # process fail now, not when a later heartbeat would also fail the ones it opens next
+                ctx.liveness.incarnation(hello.endpoint, hello.incarnation)
             old = self.decode_peers.get(hello.endpoint)
             if old is not None and old.hello.generation != hello.generation:
                 ctx.counters["decode_peer_reregistered"] += 1
@@ -173,6 +177,7 @@ class PrefillSide:
         ack = HelloAck(
             version=PROTOCOL_VERSION, endpoint=ctx.endpoint, generation=hello.generation, accepted=reason is None,
             reason=reason or "", engine=ctx.config.engine, session_id=ctx.engine.session_id, rank=ctx.rank_id,
+            incarnation=ctx.generation,
         )
         with contextlib.suppress(AiotransferError):
             await ctx.control.send(hello.endpoint, ack, timeout=ctx.config.handshake_timeout)

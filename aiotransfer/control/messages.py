@@ -98,6 +98,8 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     head_order: str = "NHD"
     """Inside a page: token-major (``NHD``) or head-major (``HND``)."""
     num_layers: int = 0
+    incarnation: int = 0
+    """The registering manager's incarnation id (what its ``Pong`` reports; 0: not said)."""
 
 
 class HelloAck(msgspec.Struct, tag="hello_ack", frozen=True):
@@ -111,6 +113,8 @@ class HelloAck(msgspec.Struct, tag="hello_ack", frozen=True):
     engine: str = ""
     session_id: str = ""
     rank: int = 0
+    incarnation: int = 0
+    """The answering manager's incarnation id (what its ``Pong`` reports; 0: not said)."""
 
 
 class TransferRequest(msgspec.Struct, tag="req", frozen=True):

@@ -168,6 +168,10 @@ class TransferConfig:
 
     hmac_key: bytes | None = None
     """Shared secret: when set, every control message is signed and verified."""
+    control_curve: bool = False
+    """With ``hmac_key``: also authenticate (and encrypt) every control connection with CurveZMQ keys derived
+    from the secret, so that a host without it cannot complete a handshake and gets no frame buffered at all
+    (see docs/security.md). Every manager that talks to this one must set it too."""
 
     def __post_init__(self) -> None:
         if not self.engine:
@@ -207,10 +211,12 @@ class TransferConfig:
         if self.wire == "sglang-mooncake":
             if not self.engine.startswith("mooncake"):
                 raise ConfigError("the sglang-mooncake wire profile needs a Mooncake engine")
-            if self.hmac_key is not None:
+            if self.hmac_key is not None or self.control_curve:
                 raise ConfigError("the sglang-mooncake wire profile cannot sign messages (SGLang has no HMAC)")
             if self.checksum:
                 raise ConfigError("the sglang-mooncake wire profile cannot carry checksums")
+        if self.control_curve and self.hmac_key is None:
+            raise ConfigError("control_curve derives its keys from the shared secret: set hmac_key too")
         if self.engine_threads not in ("normal", "background"):
             raise ConfigError(f"engine_threads must be normal or background, got {self.engine_threads!r}")
         if not 0 <= self.nixl_progress_delay_us <= 1_000_000:

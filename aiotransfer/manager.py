@@ -225,7 +225,7 @@ class KVManager:
                                        max_message_bytes=cfg.max_message_bytes)
             return cast(ControlPlane, plane)  # duck-typed: the same interface as ControlPlane
         return ControlPlane(cfg.hostname, cfg.control_port, self._dispatch, max_sockets=cfg.max_sockets,
-                            max_message_bytes=cfg.max_message_bytes, hmac_key=cfg.hmac_key)
+                            max_message_bytes=cfg.max_message_bytes, hmac_key=cfg.hmac_key, curve=cfg.control_curve)
 
     async def __aenter__(self) -> KVManager:
         return await self.start()

@@ -28,12 +28,13 @@ from typing import Any, cast
 
 import zmq
 import zmq.asyncio
+from zmq.utils import z85
 
 from .._deadline import reap, within
 from ..errors import ClosedError, PeerError, ProtocolError, TransferTimeout
 from .messages import Message, RankRegister, decode, encode
 
-__all__ = ["ControlPlane", "ReplayGuard", "normalize_endpoint", "signed_frames"]
+__all__ = ["ControlPlane", "ReplayGuard", "curve_keys", "normalize_endpoint", "signed_frames"]
 
 log = logging.getLogger("aiotransfer.control")
 
@@ -84,6 +85,14 @@ def signed_frames(key: bytes, payload: bytes, *, sender: str, destination: str, 
         raise ValueError("control endpoints are at most 255 bytes long")
     header = _HEADER.pack(counter, sent) + bytes((len(src), len(dst))) + src + dst
     return [payload, header, _mac(key, header, payload)]
+
+
+def curve_keys(key: bytes) -> tuple[bytes, bytes]:
+    """The CurveZMQ key pair (public, secret; Z85) that every manager sharing ``key`` derives from it: each
+    control socket serves and connects with it, so a host that does not hold the secret cannot complete a
+    handshake (it would need the server's public key, which only the secret gives)."""
+    secret = z85.encode(hashlib.sha256(b"aiotransfer-curve-v1\x00" + key).digest())
+    return zmq.curve_public(secret), secret
 
 
 def _claimed_sender(msg: Message) -> str | None:
@@ -141,7 +150,12 @@ class ControlPlane:
         max_sockets: int,
         max_message_bytes: int,
         hmac_key: bytes | None = None,
+        curve: bool = False,
     ) -> None:
+        if curve and hmac_key is None:
+            raise ValueError("connection authentication (curve) derives its keys from the shared secret: set hmac_key")
+        self._curve = curve_keys(hmac_key) if curve and hmac_key is not None else None
+        """(public, secret) CurveZMQ keys of every manager sharing the secret, or None."""
         self._ctx: zmq.asyncio.Context | None = None
         self._hostname = hostname
         self._port = port
@@ -170,6 +184,9 @@ class ControlPlane:
         self._ctx.setsockopt(zmq.LINGER, 0)
         pull = self._ctx.socket(zmq.PULL)
         pull.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + FRAME_OVERHEAD)  # per frame: see _recv_message
+        if self._curve is not None:  # a host without the secret cannot complete the handshake: no frame gets in
+            pull.curve_server = True
+            pull.curve_publickey, pull.curve_secretkey = self._curve
         addr = f"tcp://{self._hostname}"
         if self._port:
             pull.bind(f"{addr}:{self._port}")
@@ -196,6 +213,9 @@ class ControlPlane:
         sock.setsockopt(zmq.SNDHWM, 10000)
         sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
         sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)
+        if self._curve is not None:
+            sock.curve_serverkey = self._curve[0]
+            sock.curve_publickey, sock.curve_secretkey = self._curve
         sock.connect(endpoint)
         self._out[endpoint] = sock
         return sock

@@ -75,11 +75,11 @@ async def test_last_chunk_spends_one_deadline_budget(
         if len(calls) == 1:  # the earlier chunk: stuck
             release.wait(10.0)
         else:  # the last chunk: slow, but within its budget
-            threading.Event().wait(0.7)
+            threading.Event().wait(0.7 * budget)
         gather_pages(views, counts, pages, sl, out)
 
+    budget = 2.0
     monkeypatch.setattr(staging_module, "gather_pages", gather)
-    budget = 1.0
     async with scattered_room(engine, decode, 23, 2 * PIECE_PAGES, "always", seed=93) as (_, tx, _, src, _):
         first = asyncio.ensure_future(tx.send_kv(src[:PIECE_PAGES], last=False, timeout=30))
         while not calls:
@@ -94,6 +94,7 @@ async def test_last_chunk_spends_one_deadline_budget(
             release.set()
             with pytest.raises(Exception):  # noqa: B017 -- the room failed: the earlier chunk ends with it
                 await first
-        assert elapsed < budget * 1.8, elapsed  # one budget, not one per chunk (2x)
+        # one budget (plus the time to notice it), not a fresh one after the 0.7 budget the chunk took (1.7x)
+        assert elapsed < budget * 1.35, elapsed
         assert info.value.room == 23
         assert info.value.peer == decode.endpoint

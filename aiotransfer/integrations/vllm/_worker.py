@@ -191,13 +191,11 @@ class WorkerSide:
         room task then fails the room and reports the request."""
         try:
             side = make(self._require().manager)
-        except Exception as exc:
+        except BaseException as exc:
             with self._lock:
                 self._opening.pop(req_id, None)
-            raise AiotransferError(f"its room could not be opened: {_reason(exc)}") from exc
-        except BaseException:
-            with self._lock:
-                self._opening.pop(req_id, None)
+            if isinstance(exc, Exception):
+                raise AiotransferError(f"its room could not be opened: {_reason(exc)}") from exc
             raise
         with self._lock:
             aborted = self._opening.pop(req_id, None)

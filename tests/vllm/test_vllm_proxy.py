@@ -34,7 +34,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -55,8 +55,8 @@ FINISHED = "vllm:request_success_total"
 """vLLM's count of requests it finished (it counts one before the request's last chunk is sent)."""
 IDLE = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 """vLLM's gauges that are all 0 on a server with no request and every KV block free."""
-STREAM_TOKENS = 512
-"""Tokens of the streamed request: the decode generates for seconds after its first token reaches the client."""
+STREAM_TOKENS = 64
+"""Tokens of the streamed request: several events' worth."""
 PROXY_TIMEOUT = 60
 """The proxy's bound on each upstream call (its ``--timeout``)."""
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -229,10 +229,8 @@ def post(url: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[int, A
     return call(url + "/v1/completions", body, timeout)
 
 
-def stream(url: str, body: dict[str, Any], timeout: float = 120.0,
-           on_first: Callable[[], None] | None = None) -> tuple[list[int], list[dict[str, Any]]]:
-    """Token ids and events of a streamed completion (every event but the final ``[DONE]``).
-    ``on_first()`` runs as soon as the first event with tokens has arrived, before more is read."""
+def stream(url: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[list[int], list[dict[str, Any]]]:
+    """Token ids and events of a streamed completion (every event but the final ``[DONE]``)."""
     req = urllib.request.Request(url + "/v1/completions", json.dumps({**body, "stream": True}).encode(),
                                  {"Content-Type": "application/json"})
     events: list[dict[str, Any]] = []
@@ -245,9 +243,6 @@ def stream(url: str, body: dict[str, Any], timeout: float = 120.0,
                 done = True
             elif line.startswith("data: "):
                 events.append(json.loads(line[len("data: "):]))
-                if on_first is not None and any(c.get("token_ids") for c in events[-1]["choices"]):
-                    on_first()
-                    on_first = None
     assert done, f"the stream ended without [DONE]: {events[-1:]}"
     return [t for e in events for c in e["choices"] for t in c["token_ids"]], events
 
@@ -315,22 +310,18 @@ def test_pd_tokens_through_the_proxy_equal_a_single_engines(stack: Stack) -> Non
     assert metric(stack.decode.url, LOADED) - loaded_before == sum(LENGTHS)
 
 
-def test_streamed_tokens_pass_through_chunk_by_chunk(stack: Stack) -> None:
-    """The proxy passes the decode's stream on as it comes: the first tokens reach the client while the
-    decode is still generating (vLLM counts a request finished before it sends the last chunk, so a proxy
-    that waited for the whole answer could not pass), and every token arrives, in order. How many chunks
-    the decode makes is not checked: vLLM merges tokens into one chunk when its output loop falls behind."""
+def test_streamed_tokens_pass_through(stack: Stack) -> None:
+    """A streamed request through the proxy gives the decode's own tokens, in order, as server-sent events
+    that end with ``[DONE]`` and the usage vLLM adds. That the proxy passes each event on as it comes, before
+    the decode sends the next, is proven by causality in tests/test_pd_proxy_stream.py: vLLM cannot hold its
+    stream on demand, and when its output loop falls behind (a busy machine) it merges tokens into fewer
+    chunks and counts a request finished before the client sees its first token, so neither the chunk count
+    nor the timing is checked here."""
     (prompt,) = prompts(2, [300])
     finished_before = metric(stack.decode.url, FINISHED)
-    finished_at_first: list[float] = []
     got, events = stream(stack.proxy.url, request(prompt, max_tokens=STREAM_TOKENS,
-                                                  stream_options={"include_usage": True}),
-                         on_first=lambda: finished_at_first.append(metric(stack.decode.url, FINISHED)))
-    assert finished_at_first, f"no tokens came: {events}"
-    assert finished_at_first == [finished_before], (
-        "the first tokens reached the client after the decode had finished: the proxy held the stream back")
+                                                  stream_options={"include_usage": True}))
     assert got == reference(stack, prompt, max_tokens=STREAM_TOKENS)
-    assert len([e for e in events if e["choices"]]) > 1, "one chunk: the stream was not passed on as it came"
     assert events[-1]["usage"]["prompt_tokens"] == 300
     assert metric(stack.decode.url, FINISHED) > finished_before
 

@@ -262,6 +262,57 @@ def test_hybrid_decode_loads_all_but_the_last_prompt_token_and_asks_for_the_stat
     assert orders.recv == [] and orders.forgo == [(78, "tcp://127.0.0.1:6000")]
 
 
+# -- concurrent dispatch: the router gives both requests the room, the decode asks before the prefill answers
+CONCURRENT = {"do_remote_prefill": True, "do_remote_decode": False, KEY_ENDPOINT: "tcp://127.0.0.1:5999",
+              KEY_ROOM: 4242}
+"""A concurrent decode's ``kv_transfer_params``: the prefill worker's address and the router's room only."""
+
+
+def test_a_prefill_request_sends_in_the_room_its_router_gave() -> None:
+    req = FakeRequest("p1", 100, {"do_remote_decode": True, KEY_ROOM: 4242})
+    side = scheduler({"p1": [7, 8, 9, 10]})
+    side.after_alloc(req, [7, 8, 9, 10], 0)
+    assert side.build_orders({"p1": 100}).send == [SendJob("p1", 4242, (7, 8, 9, 10))]
+    _, params = side.request_finished(req, [7, 8, 9, 10], completed=True)
+    assert params is not None and params[KEY_ROOM] == 4242
+
+
+@pytest.mark.parametrize("room", [-1, 2**63, "4242", True, 1.5])
+def test_a_room_the_router_gave_that_is_not_one_falls_back_to_the_request_ids(
+        room: Any, caplog: pytest.LogCaptureFixture) -> None:
+    req = FakeRequest("p1", 100, {"do_remote_decode": True, KEY_ROOM: room})
+    side = scheduler({"p1": [7]})
+    side.after_alloc(req, [7], 0)
+    assert side.build_orders({"p1": 100}).send == [SendJob("p1", room_of("p1"), (7,))]
+    assert KEY_ROOM in caplog.text and "room of its request id" in caplog.text
+
+
+def test_a_concurrent_decode_loads_the_whole_prompt_from_the_routers_room() -> None:
+    req = FakeRequest("d1", 100, dict(CONCURRENT))
+    side = scheduler({})
+    assert side.num_new_matched_tokens(req, 0) == (100, True)
+    assert side.num_new_matched_tokens(req, 64) == (36, True)  # a local prefix hit covers the head
+    side.after_alloc(req, [11, 12, 13, 14], 100)
+    assert side.build_orders({}).recv == [RecvJob("d1", 4242, "tcp://127.0.0.1:5999", (11, 12, 13, 14))]
+
+
+def test_a_concurrent_hybrid_decode_loads_all_but_the_prefills_backoff() -> None:
+    side = SchedulerSide(ConnectorConfig(), lambda req_id: ([], []), CacheGroups(attention=1, mamba=0))
+    assert side.num_new_matched_tokens(FakeRequest("d1", 600, dict(CONCURRENT)), 0) == (599, True)
+    # a one-token prompt is not cut on the prefill, so its state would apply the token twice: computed here
+    assert side.num_new_matched_tokens(FakeRequest("d2", 1, dict(CONCURRENT)), 0) == (0, False)
+
+
+@pytest.mark.parametrize("params, why", [
+    ({**CONCURRENT, "remote_num_tokens": -1}, "remote_num_tokens"),
+    ({**CONCURRENT, "remote_block_ids": "3"}, "remote_block_ids"),
+    ({**CONCURRENT, KEY_ROOM: None}, KEY_ROOM),
+])
+def test_concurrent_params_are_validated_like_a_prefills_answer(params: dict[str, Any], why: str) -> None:
+    with pytest.raises(InvalidArgument, match=why):
+        RemotePrefill.parse(params)
+
+
 def test_kv_args_take_a_state_buffer_that_is_a_kv_buffer_but_not_a_partial_overlap() -> None:
     arena = np.zeros((2, 8, 64), dtype=np.uint8)
     regions = [(int(arena[i].ctypes.data), arena[i].nbytes) for i in range(2)]
@@ -292,11 +343,16 @@ class DecodeWorker:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
         self.endpoint = self.ask(None)["endpoint"]
 
+    def post(self, cmd: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
     def ask(self, cmd: dict[str, Any] | None) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+        """Posts ``cmd`` (``None``: nothing) and reads the next answer."""
+        assert self.proc.stdout is not None
         if cmd is not None:
-            self.proc.stdin.write(json.dumps(cmd) + "\n")
-            self.proc.stdin.flush()
+            self.post(cmd)
         line = self.proc.stdout.readline()
         assert line, "decode worker exited"
         return dict(json.loads(line))
@@ -349,6 +405,33 @@ def test_worker_moves_the_prompt_tail_into_the_decode_blocks_byte_exact(engine: 
         assert prefill.finished(set()) == (set(), set()), "a send is reported only once vLLM declared it finished"
         wait_sent(prefill, "r1", 10)
         assert prefill.counts()["in_flight"] == 0 and prefill.counts()["sends_failed"] == 0
+    finally:
+        decode.close()
+        prefill.shutdown()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_decode_that_asks_before_the_prompt_is_computed_is_served_when_the_sender_opens(engine: str) -> None:
+    """Concurrent dispatch: the decode's request reaches the prefill before the prefill's step computed the
+    prompt. The prefill keeps it, and its sender, opened after the forward pass, writes at once."""
+    kv = make_buffers(2, PAGES, ITEM, seed=9)
+    prefill = prefill_worker(engine, kv)
+    decode = DecodeWorker(engine)
+    try:
+        src = (30, 31, 32)
+        decode.post({"op": "recv", "req": "c1", "room": 3001, "peer": prefill.endpoint, "blocks": [40, 41, 42]})
+        deadline = time.monotonic() + 20
+        while prefill.manager_stats()["pending_requests"] != 1:
+            assert time.monotonic() < deadline, f"the decode's request never reached the prefill: {prefill.counts()}"
+            time.sleep(0.01)
+        prefill.start_sends(Orders(send=[SendJob("c1", 3001, src)]))
+        out = decode.ask(None)
+        assert out["finished"] and out["load_errors"] == [], out
+        assert out["digest"] == digest(kv, list(src))
+        wait_sent(prefill, "c1", 10)
+        counts = prefill.counts()
+        assert counts["sends_asked_early"] == 1 and counts["sends_failed"] == 0 and counts["in_flight"] == 0, counts
+        assert prefill.manager_stats()["pending_requests"] == 0
     finally:
         decode.close()
         prefill.shutdown()

@@ -17,7 +17,8 @@ from typing import Any
 from ...config import TransferConfig
 from ...errors import ConfigError, InvalidArgument
 
-__all__ = ["CacheGroups", "ConnectorConfig", "RemotePrefill", "check_endpoint", "room_of", "FORGONE",
+__all__ = ["CacheGroups", "ConnectorConfig", "RemotePrefill", "check_endpoint", "check_room", "prefill_room",
+           "room_of", "FORGONE",
            "NIXL_PROGRESS_DELAY_US", "KEY_ENDPOINT", "KEY_ROOM", "STATE_KIND"]
 
 KEY_ENDPOINT = "aiotransfer_endpoint"
@@ -71,14 +72,20 @@ class CacheGroups:
             blocks = blocks[:-min(self.mamba_spec_blocks, len(blocks) - 1)]
         return int(blocks[-1]) if blocks else None
 
-    def loaded_tokens(self, remote_tokens: int, num_prompt_tokens: int) -> int:
+    def loaded_tokens(self, remote_tokens: int | None, num_prompt_tokens: int) -> int:
         """Prompt tokens a decode loads (0: it computes the prompt itself).
 
+        ``remote_tokens`` is what the prefill computed; ``None`` (concurrent dispatch: the decode asks before
+        the prefill has answered) means what a prefill of the same model computes for this prompt, all of
+        it less :attr:`backoff` (a prompt no longer than the backoff is not cut).
         Attention KV: what the prefill computed, up to the prompt. A Mamba state holds every token the
         prefill saw, and vLLM recomputes the last prompt token on the decode: a hybrid decode can use the
         state only if the prefill stopped short of the last token, and then loads exactly what the prefill
         computed. A prefill that computed the whole prompt (a one-token prompt, or a request vLLM would not
         let it cut) would have the decode apply a token twice, so its KV is not loaded."""
+        if remote_tokens is None:
+            cut = num_prompt_tokens > self.backoff
+            remote_tokens = num_prompt_tokens - self.backoff if cut else num_prompt_tokens
         if self.mamba is None:
             return min(remote_tokens, num_prompt_tokens)
         return remote_tokens if remote_tokens < num_prompt_tokens else 0
@@ -177,14 +184,36 @@ def room_of(request_id: str) -> int:
     return int.from_bytes(digest, "big") & (2**63 - 1)
 
 
+def check_room(room: object) -> int:
+    """A room from ``kv_transfer_params``: an int in ``[0, 2**63)``; raises :class:`InvalidArgument`."""
+    if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 2**63:
+        raise InvalidArgument(f"kv_transfer_params: {KEY_ROOM} must be an int in [0, 2**63), got {reprlib.repr(room)}")
+    return room
+
+
+def prefill_room(params: Mapping[str, Any] | None, request_id: str) -> int:
+    """The room a prefill request sends in: the router's (``aiotransfer_room`` in its ``kv_transfer_params``,
+    concurrent dispatch) or else a hash of the request id. Raises :class:`InvalidArgument` for a room the
+    router gave that is not one."""
+    if params and params.get(KEY_ROOM) is not None:
+        return check_room(params[KEY_ROOM])
+    return room_of(request_id)
+
+
 @dataclass(frozen=True)
 class RemotePrefill:
-    """What a decode request needs to receive its prompt's KV, read from its ``kv_transfer_params``."""
+    """What a decode request needs to receive its prompt's KV, read from its ``kv_transfer_params``.
+
+    From a prefill's answer (the serial flow) it has every field. A router that dispatches to the prefill
+    and the decode at once (concurrent dispatch) gives the decode only the prefill worker's address and
+    the room: ``num_tokens`` is then ``None`` (the prompt, as a prefill of the same model computes it) and
+    ``block_ids`` empty (the decode never needs the prefill's block ids: the prefill writes from them).
+    """
 
     endpoint: str
     room: int
-    num_tokens: int
-    block_ids: tuple[int, ...]
+    num_tokens: int | None
+    block_ids: tuple[int, ...] = ()
 
     @staticmethod
     def wanted(params: Mapping[str, Any] | None) -> bool:
@@ -195,20 +224,23 @@ class RemotePrefill:
     def parse(cls, params: Mapping[str, Any]) -> RemotePrefill:
         """Validate ``kv_transfer_params`` from a prefill's output; raises :class:`InvalidArgument`."""
         endpoint = check_endpoint(params.get(KEY_ENDPOINT))
-        room = params.get(KEY_ROOM)
-        if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 2**63:
-            raise InvalidArgument(f"kv_transfer_params: {KEY_ROOM} must be an int in [0, 2**63), got {room!r}")
+        room = check_room(params.get(KEY_ROOM))
         num_tokens = params.get("remote_num_tokens")
-        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
-            raise InvalidArgument(f"kv_transfer_params: remote_num_tokens must be an int >= 0, got {num_tokens!r}")
+        if num_tokens is not None and (not isinstance(num_tokens, int) or isinstance(num_tokens, bool)
+                                       or num_tokens < 0):
+            raise InvalidArgument(f"kv_transfer_params: remote_num_tokens must be an int >= 0, got "
+                                  f"{reprlib.repr(num_tokens)}")
         blocks = params.get("remote_block_ids")
+        if blocks is None:
+            blocks = ()
         if (not isinstance(blocks, (list, tuple))
                 or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks)):
             raise InvalidArgument("kv_transfer_params: remote_block_ids must be a list of block ids")
         return cls(endpoint, room, num_tokens, tuple(blocks))
 
     def to_params(self) -> dict[str, Any]:
-        """The dict the prefill's ``request_finished`` returns (vLLM puts it on the request output)."""
+        """The dict the prefill's ``request_finished`` returns (vLLM puts it on the request output); the
+        same keys, less ``remote_num_tokens`` and ``remote_block_ids``, are a concurrent decode's."""
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,

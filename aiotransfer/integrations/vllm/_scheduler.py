@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import InvalidArgument
-from ._config import CacheGroups, ConnectorConfig, RemotePrefill, room_of
+from ._config import CacheGroups, ConnectorConfig, RemotePrefill, prefill_room, room_of
 
 __all__ = ["Orders", "RecvJob", "SchedulerSide", "SendJob"]
 
@@ -148,13 +148,24 @@ class SchedulerSide:
             scheduled = num_scheduled_tokens.get(req_id, 0)
             if scheduled and request.num_computed_tokens + scheduled >= request.num_prompt_tokens:
                 del self._prefilling[req_id]
-                room = room_of(req_id)
+                room = self._room(request)
                 groups = self._block_ids_of(req_id)
                 self._orders.send.append(SendJob(req_id, room, tuple(self._groups.pages(groups)),
                                                  self._groups.state_block(groups)))
                 self._sending[req_id] = room
         orders, self._orders = self._orders, Orders()
         return orders
+
+    @staticmethod
+    def _room(request: Any) -> int:
+        """The room a prefill request sends in: the router's, or a hash of the request id. A room the router
+        gave that is not one is logged and replaced by the hash: the decode that asks for the router's room
+        is then refused when the prefill's pending requests expire, or at its own ``transfer_timeout``."""
+        try:
+            return prefill_room(request.kv_transfer_params, request.request_id)
+        except InvalidArgument as exc:
+            log.warning("request %s: %s; its KV is kept under the room of its request id", request.request_id, exc)
+            return room_of(request.request_id)
 
     def on_worker_output(self, finished_sending: Iterable[str], finished_recving: Iterable[str]) -> None:
         for req_id in finished_sending:

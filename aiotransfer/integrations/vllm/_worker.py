@@ -65,7 +65,7 @@ class WorkerSide:
         self._by_request = False  # hybrid: failed loads are reported per request, not per block
         self.loads: collections.deque[tuple[str, float, int]] = collections.deque(maxlen=4096)
         """Recent successful loads: (request id, seconds from asking the prefill to the last byte, bytes)."""
-        self.stats: dict[str, int] = {"sends": 0, "sends_failed": 0, "sends_forgone": 0, "receives": 0,
+        self.stats: dict[str, int] = {"sends": 0, "sends_asked_early": 0, "sends_failed": 0, "sends_forgone": 0, "receives": 0,
                                       "receives_failed": 0, "forgone": 0, "aborted": 0, "withheld": 0}
 
     # -- start and stop --------------------------------------------------------------------------
@@ -211,6 +211,8 @@ class WorkerSide:
         failure: str | None = None
         try:
             tx = self._open(job.req_id, lambda m: m.sender(job.room))
+            if tx.num_pages is not None:  # the decode asked before the prompt was computed (concurrent dispatch)
+                self.stats["sends_asked_early"] += 1
             await tx.wait_ready(timeout=cfg.lease)
             wanted = tx.num_pages or 0
             if wanted > len(job.block_ids):
@@ -321,6 +323,10 @@ class WorkerSide:
         with self._lock:
             return {"in_flight": len(self._rooms) + len(self._opening), "unreported_sends": len(self._sent),
                     "unreported_receives": len(self._received), "withheld": len(self._withheld), **self.stats}
+
+    def manager_stats(self) -> dict[str, Any]:
+        """The worker's :meth:`KVManager.stats` (engine, control plane, rooms, pending requests)."""
+        return dict(self._require().call(lambda m: m.stats()))
 
     @staticmethod
     async def _forgo(mgr: KVManager, room: int, endpoint: str) -> None:

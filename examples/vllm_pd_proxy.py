@@ -8,9 +8,17 @@ Each OpenAI request (``/v1/completions``, ``/v1/chat/completions``) goes to two 
 2. a **decode**, the request as sent plus those ``kv_transfer_params``: its connector has the prefill write
    the KV into its blocks, then it generates. Its answer (streamed chunk by chunk, or JSON) is the client's.
 
+With ``--concurrent`` the two calls go out at the same time instead (concurrent dispatch): the router
+gives both the same room (``aiotransfer_room``) and gives the decode the prefill worker's address
+(``aiotransfer_endpoint``), which it learns from that prefill's first answer (the first request to each
+prefill goes in turn, as above). The decode allocates the prompt's blocks and asks the prefill for them
+while the prefill still computes the prompt, and the prefill writes as soon as it has: the handover (the
+prefill's answer travelling back through the router, the decode's request travelling out) leaves the
+critical path. A failed prefill call ends the decode call (its request is aborted) with the prefill's error.
+
 Servers are picked round-robin per role. Every upstream call is bounded by ``--timeout``; a failed, refused
 or late upstream becomes an HTTP error in OpenAI's format (the upstream's 4xx, else 502 or 504), never a
-hang. ``GET /healthz`` asks every upstream's ``/health``.
+hang. ``GET /healthz`` asks every upstream's ``/health``, and counts the requests dispatched each way.
 
 On one machine (``MODEL``: a directory or Hugging Face name, served under the same name by both servers;
 add ``--dtype``, ``--max-model-len``, ... as usual)::
@@ -23,7 +31,8 @@ add ``--dtype``, ``--max-model-len``, ... as usual)::
     VLLM_HOST_IP=127.0.0.1 vllm serve $MODEL --port 8200 --kv-transfer-config \
       '{"kv_connector": "AiotransferConnector", "kv_connector_module_path": "aiotransfer.integrations.vllm",
         "kv_role": "kv_consumer", "kv_connector_extra_config": {"engine": "mooncake_tcp"}}'
-    # 3. this proxy (more servers: --prefill URL URL ... --decode URL URL ...)
+    # 3. this proxy (more servers: --prefill URL URL ... --decode URL URL ...; add --concurrent to
+    #    dispatch to both at once)
     python examples/vllm_pd_proxy.py --port 8000 --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
 
     curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \
@@ -45,11 +54,12 @@ import contextlib
 import itertools
 import json
 import logging
+import secrets
 import socket
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 try:
@@ -63,6 +73,8 @@ log = logging.getLogger("vllm_pd_proxy")
 PREFILL_KV_PARAMS: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False,
                                      "remote_engine_id": None, "remote_block_ids": None,
                                      "remote_host": None, "remote_port": None}
+# AiotransferConnector's kv_transfer_params keys: the prefill worker's control address, and the room.
+KEY_ENDPOINT, KEY_ROOM = "aiotransfer_endpoint", "aiotransfer_room"
 
 
 class UpstreamError(Exception):
@@ -81,11 +93,16 @@ def error_response(status: int, message: str) -> web.Response:
 class Proxy:
     """The router: round-robin over prefill and decode base URLs, one HTTP client session."""
 
-    def __init__(self, prefill: Sequence[str], decode: Sequence[str], timeout: float) -> None:
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], timeout: float, concurrent: bool = False) -> None:
         self.prefill_urls = [u.rstrip("/") for u in prefill]
         self.decode_urls = [u.rstrip("/") for u in decode]
         self._prefill, self._decode = itertools.cycle(self.prefill_urls), itertools.cycle(self.decode_urls)
         self.timeout = timeout
+        self.concurrent = concurrent
+        self.kv_endpoints: dict[str, str] = {}
+        """Prefill base URL -> its worker's control address, from its answers (concurrent dispatch)."""
+        self.dispatched = {"serial": 0, "concurrent": 0}
+        self._background: set[asyncio.Task[Any]] = set()  # prefill calls a finished decode did not wait for
         # Prefill: the whole answer within `timeout`. Decode: connecting, and each wait for more bytes (a
         # stream may run longer than `timeout` in total, as long as tokens keep coming).
         self._prefill_timeout = ClientTimeout(total=timeout)
@@ -109,7 +126,8 @@ class Proxy:
         urls = [*self.prefill_urls, *self.decode_urls]
         found = dict(zip(urls, await asyncio.gather(*(self._health(u) for u in urls)), strict=True))
         ok = all(v == "ok" for v in found.values())
-        return web.json_response({"status": "ok" if ok else "unhealthy", "upstreams": found}, status=200 if ok else 503)
+        return web.json_response({"status": "ok" if ok else "unhealthy", "upstreams": found,
+                                  "dispatched": self.dispatched}, status=200 if ok else 503)
 
     async def _health(self, url: str) -> str:
         try:
@@ -130,33 +148,110 @@ class Proxy:
         headers = {"X-Request-Id": rid}
         if "Authorization" in request.headers:  # servers started with --api-key
             headers["Authorization"] = request.headers["Authorization"]
-        prefill_url, decode_url = next(self._prefill) + request.path, next(self._decode) + request.path
-        # 1. prefill: one token, no stream, KV kept for us (stream_options and min_tokens would be refused).
-        prefill_body = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
-        prefill_body.update(max_tokens=1, stream=False, kv_transfer_params=PREFILL_KV_PARAMS)
-        if "max_completion_tokens" in body:
-            prefill_body["max_completion_tokens"] = 1
-        start = time.monotonic()
+        prefill, decode_url = next(self._prefill), next(self._decode) + request.path
+        endpoint = self.kv_endpoints.get(prefill) if self.concurrent else None
         try:
-            with self._failures("prefill", prefill_url):
-                async with await self._post("prefill", prefill_url, prefill_body, headers) as resp:
-                    answer = await resp.json(content_type=None)
-            kv_params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
-            if not isinstance(kv_params, dict):
-                raise UpstreamError(502, f"prefill {prefill_url} returned no kv_transfer_params: was it started "
-                                         "with --kv-transfer-config and kv_role kv_producer?")
-            log.info("%s: prefill %s in %.3f s, decode %s", rid, prefill_url, time.monotonic() - start, decode_url)
-            # 2. decode: the original request, plus where its prompt's KV is.
-            with self._failures("decode", decode_url):
-                resp = await self._post("decode", decode_url, {**body, "kv_transfer_params": kv_params}, headers)
-            async with resp:
-                if body.get("stream"):
-                    return await self._relay(request, resp, decode_url, rid)
-                with self._failures("decode", decode_url):
-                    return web.Response(body=await resp.read(), content_type="application/json")
+            if endpoint is not None:
+                return await self._concurrent(request, body, headers, rid, prefill, decode_url, endpoint)
+            return await self._serial(request, body, headers, rid, prefill, decode_url)
         except UpstreamError as exc:
             log.warning("%s: %s", rid, exc)
             return error_response(exc.status, str(exc))
+
+    @staticmethod
+    def _prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
+        """The prefill's request: one token, no stream, KV kept for a decode (stream_options and min_tokens
+        would be refused)."""
+        prefill_body = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+        prefill_body.update(max_tokens=1, stream=False, kv_transfer_params=kv_params)
+        if "max_completion_tokens" in body:
+            prefill_body["max_completion_tokens"] = 1
+        return prefill_body
+
+    async def _call_prefill(self, prefill: str, url: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+        """The prefill's answer's ``kv_transfer_params``; remembers the prefill worker's address."""
+        with self._failures("prefill", url):
+            async with await self._post("prefill", url, body, headers) as resp:
+                answer = await resp.json(content_type=None)
+        kv_params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        if not isinstance(kv_params, dict):
+            raise UpstreamError(502, f"prefill {url} returned no kv_transfer_params: was it started "
+                                     "with --kv-transfer-config and kv_role kv_producer?")
+        if isinstance(kv_params.get(KEY_ENDPOINT), str):
+            self.kv_endpoints[prefill] = kv_params[KEY_ENDPOINT]
+        return kv_params
+
+    async def _serial(self, request: web.Request, body: dict[str, Any], headers: dict[str, str], rid: str,
+                      prefill: str, decode_url: str) -> web.StreamResponse:
+        """The prefill's answer first, then the decode with the ``kv_transfer_params`` it carries."""
+        self.dispatched["serial"] += 1
+        start = time.monotonic()
+        kv_params = await self._call_prefill(prefill, prefill + request.path,
+                                             self._prefill_body(body, PREFILL_KV_PARAMS), headers)
+        log.info("%s: prefill %s in %.3f s, decode %s", rid, prefill, time.monotonic() - start, decode_url)
+        with self._failures("decode", decode_url):
+            resp = await self._post("decode", decode_url, {**body, "kv_transfer_params": kv_params}, headers)
+        return await self._answer(request, body, resp, decode_url, rid)
+
+    async def _answer(self, request: web.Request, body: dict[str, Any], resp: ClientResponse, decode_url: str,
+                      rid: str, cause: Callable[[], str | None] = lambda: None) -> web.StreamResponse:
+        """The decode's answer, streamed or whole, as the client's."""
+        async with resp:
+            if body.get("stream"):
+                return await self._relay(request, resp, decode_url, rid, cause)
+            try:
+                with self._failures("decode", decode_url):
+                    return web.Response(body=await resp.read(), content_type="application/json")
+            except UpstreamError as exc:
+                raise UpstreamError(502, cause() or str(exc)) from None
+
+    async def _concurrent(self, request: web.Request, body: dict[str, Any], headers: dict[str, str], rid: str,
+                          prefill: str, decode_url: str, endpoint: str) -> web.StreamResponse:
+        """The prefill and the decode at once, in one room the router picks. The decode's answer is the
+        client's; a prefill call that fails first ends the decode call (vLLM aborts the request when its
+        connection closes, and its connector tells the prefill) and its error is the client's."""
+        self.dispatched["concurrent"] += 1
+        room = secrets.randbits(63)
+        prefill_url = prefill + request.path
+        kv_params = {"do_remote_prefill": True, "do_remote_decode": False, KEY_ENDPOINT: endpoint, KEY_ROOM: room}
+        prefill_call = asyncio.ensure_future(self._call_prefill(
+            prefill, prefill_url, self._prefill_body(body, {**PREFILL_KV_PARAMS, KEY_ROOM: room}), headers))
+        decode_call = asyncio.ensure_future(self._post("decode", decode_url, {**body, "kv_transfer_params": kv_params},
+                                                       headers))
+        log.info("%s: prefill %s and decode %s at once, room %d", rid, prefill, decode_url, room)
+
+        def failure() -> str | None:
+            if prefill_call.done() and not prefill_call.cancelled() and prefill_call.exception() is not None:
+                return str(prefill_call.exception())
+            return None
+
+        answered = False
+        try:
+            await asyncio.wait({prefill_call, decode_call}, return_when=asyncio.FIRST_COMPLETED)
+            if failure() is not None and not decode_call.done():
+                raise prefill_call.exception()  # type: ignore[misc]
+            with self._failures("decode", decode_url):
+                resp = await decode_call
+            # From here a failed prefill closes the decode's connection: its answer ends with the reason.
+            prefill_call.add_done_callback(lambda _: failure() is not None and resp.close())
+            answer = await self._answer(request, body, resp, decode_url, rid, failure)
+            answered = True
+            return answer
+        finally:
+            decode_call.cancel()  # done by now, unless the prefill failed, the decode did, or the client left
+            if not answered:
+                prefill_call.cancel()  # vLLM aborts the prefill request, and its connector frees the blocks
+            self._finish_later(prefill_call)
+
+    def _finish_later(self, task: asyncio.Task[Any]) -> None:
+        """Let a prefill call the client's answer did not wait for end on its own (its outcome is logged)."""
+        def done(t: asyncio.Task[Any]) -> None:
+            self._background.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.warning("prefill call failed after its decode: %s", t.exception())
+
+        self._background.add(task)
+        task.add_done_callback(done)
 
     async def _post(self, what: str, url: str, body: dict[str, Any], headers: dict[str, str]) -> ClientResponse:
         """POST ``body``; returns the response if it is a 200, else raises :class:`UpstreamError`."""
@@ -183,8 +278,10 @@ class Proxy:
         except ValueError:
             raise UpstreamError(502, f"{what} {url} answered something that is not JSON") from None
 
-    async def _relay(self, request: web.Request, upstream: ClientResponse, url: str, rid: str) -> web.StreamResponse:
-        """Pass the decode's server-sent events on as they come."""
+    async def _relay(self, request: web.Request, upstream: ClientResponse, url: str, rid: str,
+                     cause: Callable[[], str | None] = lambda: None) -> web.StreamResponse:
+        """Pass the decode's server-sent events on as they come; ``cause()`` says why the decode's stream
+        broke when it was ended on purpose (a failed prefill)."""
         response = web.StreamResponse(headers={"Content-Type": upstream.headers.get("Content-Type",
                                                                                     "text/event-stream")})
         await response.prepare(request)
@@ -195,7 +292,8 @@ class Proxy:
                 last = not chunk
             except (asyncio.TimeoutError, ClientError) as exc:
                 # The status line is out: say it in the stream, as vLLM does for an error mid-stream.
-                why = f"no data within {self.timeout:g} s" if isinstance(exc, asyncio.TimeoutError) else repr(exc)
+                why = cause() or (f"no data within {self.timeout:g} s" if isinstance(exc, asyncio.TimeoutError)
+                                  else repr(exc))
                 log.warning("%s: decode %s stream broke: %s", rid, url, why)
                 event = {"error": {"message": f"decode {url}: {why}", "type": "upstream_error", "code": 502}}
                 chunk, last = f"\n\ndata: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode(), True
@@ -273,6 +371,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--decode", nargs="+", metavar="URL", default=[], help="decode servers' base URLs")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds: bound on a prefill's answer, and on each wait for a decode's bytes")
+    p.add_argument("--concurrent", action="store_true",
+                   help="dispatch each request to its prefill and its decode at once (concurrent dispatch)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if not args.prefill and not args.decode:
@@ -280,9 +380,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if not args.prefill or not args.decode:
         p.error("give both --prefill and --decode (or neither, for the demo)")
-    proxy = Proxy(args.prefill, args.decode, args.timeout)
-    log.info("proxy on http://%s:%d: prefill %s, decode %s", args.host, args.port, proxy.prefill_urls,
-             proxy.decode_urls)
+    proxy = Proxy(args.prefill, args.decode, args.timeout, concurrent=args.concurrent)
+    log.info("proxy on http://%s:%d: prefill %s, decode %s, %s dispatch", args.host, args.port, proxy.prefill_urls,
+             proxy.decode_urls, "concurrent" if args.concurrent else "serial")
     # handler_cancellation: a client that hangs up cancels its upstream calls, and vLLM aborts the request.
     web.run_app(proxy.app(), host=args.host, port=args.port, access_log=None, handler_cancellation=True,
                 print=None)

@@ -6,7 +6,9 @@ a decode (``kv_consumer``), both ``engine: mooncake_tcp``. The proxy runs under 
 user would start it. Checked: greedy tokens through proxy -> prefill -> decode, concurrent or streamed,
 equal the decode server's own for the same prompt without ``kv_transfer_params``; the decode's external
 prefix-cache hits (vLLM's metric) count every prompt token, so the KV really crossed; decode over another
-prompt's KV gives other tokens (the comparison can fail); a repeated prompt loads only what the decode's
+prompt's KV gives other tokens (the comparison can fail); through ``--concurrent`` (prefill and decode
+called at once, in the router's room) the tokens are the same, and a decode in another prompt's room gets
+other tokens; a repeated prompt loads only what the decode's
 prefix cache lacks; a dead decode is a 502, not a hang; ``kv_transfer_params`` a client makes up (an
 address without a port, a room another request holds) end their request and leave no request or block
 behind (vLLM's own gauges).
@@ -147,6 +149,8 @@ class Stack:
     prefill: Server
     decode: Server
     proxy: Server
+    concurrent_proxy: Server
+    """The same servers behind a proxy started with ``--concurrent``."""
     dead_proxy: Server
     """A proxy whose decode URL is ``dead_decode``, a port nobody listens on."""
     dead_decode: str
@@ -194,16 +198,18 @@ def stack(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             server.wait_ready("/health", deadline)
         prefill, decode = started
         dead_decode = f"http://127.0.0.1:{free_port()}"
-        for name, decode_url in (("proxy", decode.url), ("dead_proxy", dead_decode)):
+        for name, decode_url, mode in (("proxy", decode.url, []), ("concurrent_proxy", decode.url, ["--concurrent"]),
+                                       ("dead_proxy", dead_decode, [])):
             port = free_port()
             cmd = [sys.executable, str(ROOT / "examples" / "vllm_pd_proxy.py"), "--port", str(port),
-                   "--prefill", prefill.url, "--decode", decode_url, "--timeout", str(PROXY_TIMEOUT)]
+                   "--prefill", prefill.url, "--decode", decode_url, "--timeout", str(PROXY_TIMEOUT), *mode]
             start(name, cmd, port, {**os.environ, "PYTHONPATH": str(ROOT)})
-        proxy, dead_proxy = started[2:]
+        proxy, concurrent_proxy, dead_proxy = started[2:]
         proxy.wait_ready("/healthz", time.monotonic() + 60)
+        concurrent_proxy.wait_ready("/healthz", time.monotonic() + 60)
         dead_proxy.wait_ready("/healthz", time.monotonic() + 60, ok=(503,))  # 503: its decode is dead
         ready_s = time.monotonic() - t0
-        yield Stack(prefill, decode, proxy, dead_proxy, dead_decode)
+        yield Stack(prefill, decode, proxy, concurrent_proxy, dead_proxy, dead_decode)
     peaks = {s.name: round(s.peak_rss_mib) for s in started}
     print(f"\n[vllm-proxy] ready in {ready_s:.0f} s, torn down {time.monotonic() - t0:.0f} s after the start; "
           f"peak RSS (MiB, summed over each process group): {peaks}", file=sys.stderr)
@@ -310,6 +316,27 @@ def test_pd_tokens_through_the_proxy_equal_a_single_engines(stack: Stack) -> Non
     assert metric(stack.decode.url, LOADED) - loaded_before == sum(LENGTHS)
 
 
+def test_concurrent_dispatch_gives_a_single_engines_tokens(stack: Stack) -> None:
+    """Through ``--concurrent``: the first request learns the prefill worker's address (in turn), the rest
+    go to the prefill and the decode at once, all in flight together, streamed or not. The decode's tokens
+    equal its own, and every prompt token came through the connector (so the KV crossed, in the room the
+    router picked)."""
+    warm, streamed, *batch = prompts(14, [64, 200, *LENGTHS])
+    assert tokens(stack.concurrent_proxy.url, warm) == reference(stack, warm)
+    loaded_before = metric(stack.decode.url, LOADED)
+    with ThreadPoolExecutor(len(batch) + 1) as pool:
+        as_stream = pool.submit(stream, stack.concurrent_proxy.url, request(streamed))
+        via_proxy = list(pool.map(lambda p: tokens(stack.concurrent_proxy.url, p), batch))
+        got_streamed, _ = as_stream.result()
+    assert via_proxy == [reference(stack, p) for p in batch]
+    assert got_streamed == reference(stack, streamed)
+    assert metric(stack.decode.url, LOADED) - loaded_before == sum(LENGTHS) + len(streamed)
+    status, health = call(stack.concurrent_proxy.url + "/healthz")
+    assert status == 200 and health["dispatched"] == {"serial": 1, "concurrent": len(batch) + 1}, health
+    wait_idle(stack.decode)
+    wait_idle(stack.prefill)
+
+
 def test_streamed_tokens_pass_through(stack: Stack) -> None:
     """A streamed request through the proxy gives the decode's own tokens, in order, as server-sent events
     that end with ``[DONE]`` and the usage vLLM adds. That the proxy passes each event on as it comes, before
@@ -337,6 +364,27 @@ def test_decode_over_another_prompts_kv_gives_other_tokens(stack: Stack) -> None
     assert tokens(stack.decode.url, a, kv_transfer_params=params) != reference(stack, a)
 
 
+def test_concurrent_decode_in_another_prompts_room_gives_other_tokens(stack: Stack) -> None:
+    """The negative control of concurrent dispatch: the decode gets prompt A in the room of the prefill
+    computing prompt B at the same time (same length), so it computes A's last token over B's KV."""
+    a, b = prompts(13, [200, 200])
+    (first,) = prompts(12, [40])  # a serial PD, for the prefill worker's address
+    status, answer = post(stack.prefill.url, request(first, max_tokens=1, kv_transfer_params=PREFILL_PARAMS))
+    assert status == 200, answer
+    assert tokens(stack.decode.url, first, kv_transfer_params=answer["kv_transfer_params"]) == reference(stack, first)
+    endpoint, room = answer["kv_transfer_params"][KEY_ENDPOINT], random.randrange(2**63)
+    loaded_before = metric(stack.decode.url, LOADED)
+    with ThreadPoolExecutor(2) as pool:
+        decoded = pool.submit(tokens, stack.decode.url, a, kv_transfer_params={
+            "do_remote_prefill": True, KEY_ENDPOINT: endpoint, KEY_ROOM: room})
+        prefilled = pool.submit(post, stack.prefill.url, request(b, max_tokens=1, kv_transfer_params={
+            **PREFILL_PARAMS, KEY_ROOM: room}))
+        assert prefilled.result()[0] == 200
+        got = decoded.result()
+    assert metric(stack.decode.url, LOADED) - loaded_before == 200  # B's KV, all of it
+    assert got != reference(stack, a)
+
+
 def test_a_repeated_prompt_loads_only_what_the_decodes_cache_lacks(stack: Stack) -> None:
     (prompt,) = prompts(5, [600])
     want = reference(stack, prompt)
@@ -348,8 +396,10 @@ def test_a_repeated_prompt_loads_only_what_the_decodes_cache_lacks(stack: Stack)
 
 
 def test_healthz(stack: Stack) -> None:
-    assert call(stack.proxy.url + "/healthz") == (200, {"status": "ok", "upstreams": {
-        stack.prefill.url: "ok", stack.decode.url: "ok"}})
+    status, body = call(stack.proxy.url + "/healthz")
+    assert status == 200 and body["status"] == "ok", body
+    assert body["upstreams"] == {stack.prefill.url: "ok", stack.decode.url: "ok"}
+    assert body["dispatched"]["concurrent"] == 0 and body["dispatched"]["serial"] > 0, body
     status, body = call(stack.dead_proxy.url + "/healthz")
     assert status == 503 and body["upstreams"][stack.prefill.url] == "ok", body
     assert body["upstreams"][stack.dead_decode].startswith("unreachable"), body

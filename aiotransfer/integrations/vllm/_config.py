@@ -113,13 +113,17 @@ class ConnectorConfig:
     transfer_timeout: float = 30.0
     lease: float = 30.0
     release_timeout: float = 120.0
+    stream_layers: bool = True
+    """Prefill: push a room layer by layer during the forward pass when its decode has already asked
+    (concurrent dispatch). Dense models with their KV in CPU memory; others are sent whole after the pass."""
     transfer: Mapping[str, Any] = field(default_factory=dict)
     """More :class:`~aiotransfer.TransferConfig` fields, passed through (e.g. ``checksum``)."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
         extra = dict(extra or {})
-        known = {"engine", "hostname", "port", "transfer_timeout", "lease", "release_timeout", "transfer"}
+        known = {"engine", "hostname", "port", "transfer_timeout", "lease", "release_timeout", "stream_layers",
+                 "transfer"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"kv_connector_extra_config: unknown keys {unknown}; known: {sorted(known)}")
@@ -136,6 +140,8 @@ class ConnectorConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"kv_connector_extra_config {name}={value!r}: expected seconds > 0")
+        if not isinstance(self.stream_layers, bool):
+            raise ConfigError(f"kv_connector_extra_config stream_layers={self.stream_layers!r}: expected true or false")
         if not isinstance(self.transfer, Mapping):
             raise ConfigError("kv_connector_extra_config transfer: expected a dict of TransferConfig fields")
 

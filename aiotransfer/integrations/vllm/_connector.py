@@ -145,15 +145,22 @@ class AiotransferConnector(KVConnectorBase_V1, SupportsHMA):
             meta = self._get_connector_metadata()
             assert isinstance(meta, AiotransferMetadata)
             self.worker_side.start_receives(meta.orders)
+            if self.worker_side.streams_layers:
+                self.worker_side.begin_pass(meta.orders)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are asynchronous: a request runs only once its whole KV has landed
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return None  # nothing is saved per layer: the prefill sends whole blocks once the prompt is computed
+        # Layer streaming: a room whose decode has asked pushes this layer's blocks now, on the connector's
+        # loop thread; this thread only tells it (one loop wake-up, in steps that compute a finished prompt).
+        self.worker_side.layer_written(layer_name)
 
     def wait_for_save(self) -> None:
-        if self.has_connector_metadata():
+        # Nothing to wait for: vLLM keeps a sending request's blocks until get_finished reports it released.
+        if self.worker_side.streams_layers:
+            self.worker_side.end_pass()
+        elif self.has_connector_metadata():
             meta = self._get_connector_metadata()
             assert isinstance(meta, AiotransferMetadata)
             self.worker_side.start_sends(meta.orders)

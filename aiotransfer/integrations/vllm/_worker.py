@@ -10,6 +10,7 @@ rooms) is reported failed at once, as no engine touched its blocks.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import functools
@@ -26,6 +27,7 @@ from ...receiver import KVReceiver
 from ...sender import KVSender
 from .._sync import BackgroundManager
 from ._config import FORGONE, STATE_KIND, ConnectorConfig
+from ._layers import ForwardPass
 from ._scheduler import Orders, RecvJob, SendJob
 
 __all__ = ["WorkerSide"]
@@ -63,9 +65,11 @@ class WorkerSide:
         self._block_bytes = 0
         self._state_bytes = 0
         self._by_request = False  # hybrid: failed loads are reported per request, not per block
+        self._layer_index: dict[str, int] = {}  # layer name -> KV buffer (= layer id), for layer streaming
+        self._pass: ForwardPass | None = None  # the forward pass under way, while it has rooms to push
         self.loads: collections.deque[tuple[str, float, int]] = collections.deque(maxlen=4096)
         """Recent successful loads: (request id, seconds from asking the prefill to the last byte, bytes)."""
-        self.stats: dict[str, int] = {"sends": 0, "sends_asked_early": 0, "sends_failed": 0, "sends_forgone": 0, "receives": 0,
+        self.stats: dict[str, int] = {"sends": 0, "sends_asked_early": 0, "sends_streamed": 0, "sends_failed": 0, "sends_forgone": 0, "receives": 0,
                                       "receives_failed": 0, "forgone": 0, "aborted": 0, "withheld": 0}
 
     # -- start and stop --------------------------------------------------------------------------
@@ -79,7 +83,16 @@ class WorkerSide:
         dtype = _dtype(kv_caches)
         self._block_bytes = sum(int(t[0].numel()) * int(t.element_size()) if hasattr(t, "element_size")
                                 else int(t[0].nbytes) for t in tensors)
-        args = KVArgs(tensors, page_size=block_size, dtype=dtype, tp_rank=0, tp_size=1)
+        # One buffer per layer, in vLLM's order: buffer i holds layer i, which layer streaming pushes.
+        args = KVArgs(tensors, page_size=block_size, dtype=dtype, tp_rank=0, tp_size=1, num_layers=len(tensors))
+        on_cpu = all(str(getattr(t, "device", "cpu")) == "cpu" for t in tensors)
+        if self._config.stream_layers and on_cpu:
+            self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        elif self._config.stream_layers:
+            # A GPU's kernels write a layer's KV after save_kv_layer returns: pushing it then would need an
+            # event per layer. Until that exists, rooms go whole after the forward pass.
+            log.info("aiotransfer connector: KV on %s; layer streaming is for KV in CPU memory, rooms are "
+                     "sent whole after each forward pass", getattr(tensors[0], "device", "?"))
         return self._start(args, f"{len(tensors)} KV tensors of {dtype}")
 
     def _start(self, args: KVArgs, what: str) -> str:
@@ -118,6 +131,12 @@ class WorkerSide:
     def endpoint(self) -> str | None:
         return self._endpoint
 
+    @property
+    def streams_layers(self) -> bool:
+        """Whether rooms whose decode has asked are pushed layer by layer during the forward pass
+        (``stream_layers``, dense models with their KV in CPU memory)."""
+        return bool(self._layer_index)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Close the manager: rooms still open fail (both sides learn why), the engine drains, memory is
         deregistered. Idempotent."""
@@ -137,13 +156,41 @@ class WorkerSide:
             self.stats["forgone"] += 1
             bg.submit(functools.partial(self._forgo, room=room, endpoint=endpoint))
 
-    def start_sends(self, orders: Orders) -> None:
-        """Called after the forward pass, when the prompt's KV is written: hold a sender per request."""
+    def start_sends(self, orders: Orders, fwd: ForwardPass | None = None) -> None:
+        """Hold a sender per request whose prompt this step computes. Called after the forward pass (the
+        prompt's KV is written), or, with layer streaming, before it with the pass (:meth:`begin_pass`)."""
         bg = self._require()
         for job in orders.send:
             with self._lock:
                 self._sends.add(job.req_id)
-            self._spawn(bg, job.req_id, functools.partial(self._send, job))
+            self._spawn(bg, job.req_id, functools.partial(self._send, job, fwd))
+
+    # -- layer streaming (prefill) ---------------------------------------------------------------
+    def begin_pass(self, orders: Orders) -> None:
+        """Called before the forward pass, with layer streaming: this step's senders open now, so a room
+        whose decode has already asked (concurrent dispatch) pushes each layer as :meth:`layer_written`
+        reports it; the others are sent whole once :meth:`end_pass` says the pass is over."""
+        bg = self._require()
+        if self._pass is not None:  # a pass that never ended: its rooms must not send what it may not have written
+            self._pass.abandon("vLLM began a step before the forward pass that computes the prompt ended")
+            self._pass = None
+        if orders.send:
+            self._pass = ForwardPass(bg.loop, len(self._layer_index))
+            self.start_sends(orders, self._pass)
+
+    def layer_written(self, layer_name: str) -> None:
+        """vLLM's ``save_kv_layer``: ``layer_name``'s KV is written (a no-op in a step with no room to push)."""
+        fwd = self._pass
+        if fwd is not None:
+            layer = self._layer_index.get(layer_name)
+            if layer is not None:
+                fwd.written(layer)
+
+    def end_pass(self) -> None:
+        """vLLM's ``wait_for_save``: the forward pass is over, every layer written."""
+        fwd, self._pass = self._pass, None
+        if fwd is not None:
+            fwd.over()
 
     def _require(self) -> BackgroundManager:
         if self._bg is None:
@@ -204,23 +251,26 @@ class WorkerSide:
             raise AiotransferError(aborted)
         return side
 
-    async def _send(self, job: SendJob) -> None:
+    async def _send(self, job: SendJob, fwd: ForwardPass | None) -> None:
+        """Send one request's prompt. ``fwd``: the forward pass that computes it is still under way."""
         cfg = self._config
         self.stats["sends"] += 1
         tx: KVSender | None = None
         failure: str | None = None
         try:
             tx = self._open(job.req_id, lambda m: m.sender(job.room))
-            if tx.num_pages is not None:  # the decode asked before the prompt was computed (concurrent dispatch)
+            asked = tx.num_pages is not None  # the decode asked before the prompt was computed (concurrent dispatch)
+            if asked:
                 self.stats["sends_asked_early"] += 1
-            await tx.wait_ready(timeout=cfg.lease)
-            wanted = tx.num_pages or 0
-            if wanted > len(job.block_ids):
-                raise AiotransferError(f"decode asked for {wanted} blocks; the prompt has {len(job.block_ids)}")
-            if job.state_block is not None:
-                await tx.send_state({STATE_KIND: [job.state_block]}, timeout=cfg.transfer_timeout)
-            # The decode's blocks cover the prompt's tail (a local prefix-cache hit covers its head).
-            await tx.send_kv(job.block_ids[len(job.block_ids) - wanted:], timeout=cfg.transfer_timeout)
+            if fwd is not None and asked and tx.num_pages and job.state_block is None:
+                await self._push_layers(tx, job, fwd)
+            else:
+                if fwd is not None:
+                    await fwd.finished(cfg.transfer_timeout)
+                await tx.wait_ready(timeout=cfg.lease)
+                if job.state_block is not None:
+                    await tx.send_state({STATE_KIND: [job.state_block]}, timeout=cfg.transfer_timeout)
+                await tx.send_kv(self._tail(tx, job), timeout=cfg.transfer_timeout)
             await tx.done(timeout=cfg.transfer_timeout)
         except BaseException as exc:  # any failure, cancellation included, ends the room on both sides
             failure = _reason(exc)
@@ -230,6 +280,33 @@ class WorkerSide:
                 raise
         finally:
             await self._conclude(job.req_id, job.room, tx, failure, sending=True, blocks=())
+
+    @staticmethod
+    def _tail(tx: KVSender, job: SendJob) -> tuple[int, ...]:
+        """The blocks the decode asked for: the prompt's tail (a local prefix-cache hit covers its head)."""
+        wanted = tx.num_pages or 0
+        if wanted > len(job.block_ids):
+            raise AiotransferError(f"decode asked for {wanted} blocks; the prompt has {len(job.block_ids)}")
+        return job.block_ids[len(job.block_ids) - wanted:]
+
+    async def _push_layers(self, tx: KVSender, job: SendJob, fwd: ForwardPass) -> None:
+        """Push each layer's blocks as soon as the forward pass has written it: the writes of layer i run
+        while the pass computes layer i + 1, and the last one's completion concludes the room."""
+        deadline = time.monotonic() + self._config.transfer_timeout
+        stream = tx.stream(self._tail(tx, job))
+        self.stats["sends_streamed"] += 1
+        sends: list[asyncio.Future[None]] = []
+        try:
+            for layer in stream.layers:
+                await fwd.layer(layer, deadline - time.monotonic())
+                sends.append(asyncio.ensure_future(
+                    stream.send_layers(layer, timeout=max(deadline - time.monotonic(), 0.001))))
+        finally:
+            if sends:
+                results = await asyncio.gather(*sends, return_exceptions=True)
+                failed = next((r for r in results if isinstance(r, BaseException)), None)
+                if failed is not None:
+                    raise failed
 
     async def _receive(self, job: RecvJob) -> None:
         cfg = self._config

@@ -1,0 +1,141 @@
+"""Layer-pipelined push of the vLLM connector's prefill worker, over a real engine across two OS processes.
+
+The prefill worker here is driven as vLLM's model runner drives it: ``begin_pass`` (``start_load_kv``)
+before the forward pass, ``layer_written`` (``save_kv_layer``) after each layer has written its KV,
+``end_pass`` (``wait_for_save``) after the pass. "The pass writes a layer" is this test filling the
+layer's blocks; it waits between layers, so a push that came before its layer was written would carry the
+old bytes and fail the digest (the negative control shows that it does).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from aiotransfer.integrations.vllm._scheduler import Orders, SendJob
+from aiotransfer.integrations.vllm._worker import WorkerSide
+from tests.conftest import ENGINES
+from tests.peer import digest, make_buffers
+from tests.test_vllm_sides import ITEM, PAGES, DecodeWorker, prefill_worker, wait_sent
+
+SRC = (50, 51, 52, 53)
+DST = [60, 61, 62, 63]
+PAUSE = 0.2
+"""Seconds between two layers of the pass: time for a push that should not have started to have moved."""
+
+
+def asked(prefill: WorkerSide, decode: DecodeWorker, room: int, bound: float = 20.0) -> None:
+    """The decode asks for ``room`` before the prefill has a sender for it; returns once the prefill has
+    the request."""
+    decode.post({"op": "recv", "req": f"r{room}", "room": room, "peer": prefill.endpoint, "blocks": DST})
+    deadline = time.monotonic() + bound
+    while prefill.manager_stats()["pending_requests"] != 1:
+        assert time.monotonic() < deadline, f"the decode's request never reached the prefill: {prefill.counts()}"
+        time.sleep(0.01)
+
+
+def run_pass(prefill: WorkerSide, kv: list[np.ndarray], *, tell_first: bool = False) -> None:
+    """The forward pass: each layer writes the prompt's blocks, then ``save_kv_layer`` reports it
+    (``tell_first``: reported before it is written, the negative control)."""
+    for layer, buf in enumerate(kv):
+        time.sleep(PAUSE)
+        if tell_first:
+            prefill.layer_written(f"layer.{layer}")
+            time.sleep(PAUSE)
+        buf[list(SRC)] = 100 + layer
+        if not tell_first:
+            prefill.layer_written(f"layer.{layer}")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_room_whose_decode_asked_is_pushed_layer_by_layer_and_ends_before_the_pass(engine: str) -> None:
+    kv = make_buffers(2, PAGES, ITEM, seed=11)
+    prefill = prefill_worker(engine, kv)
+    decode = DecodeWorker(engine)
+    try:
+        assert prefill.streams_layers
+        asked(prefill, decode, 4001)
+        prefill.begin_pass(Orders(send=[SendJob("r4001", 4001, SRC)]))
+        run_pass(prefill, kv)
+        # The room ends without the pass's end: every layer went as it was written, then the Success.
+        out = decode.ask(None)
+        assert out["finished"] and out["load_errors"] == [], out
+        assert out["digest"] == digest(kv, list(SRC))
+        prefill.end_pass()
+        wait_sent(prefill, "r4001", 10)
+        counts = prefill.counts()
+        assert (counts["sends_streamed"], counts["sends_asked_early"], counts["sends_failed"]) == (1, 1, 0), counts
+        assert counts["in_flight"] == 0
+    finally:
+        decode.close()
+        prefill.shutdown()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_negative_control_a_layer_reported_before_it_is_written_lands_stale(engine: str) -> None:
+    kv = make_buffers(2, PAGES, ITEM, seed=12)
+    prefill = prefill_worker(engine, kv)
+    decode = DecodeWorker(engine)
+    try:
+        asked(prefill, decode, 4002)
+        prefill.begin_pass(Orders(send=[SendJob("r4002", 4002, SRC)]))
+        run_pass(prefill, kv, tell_first=True)
+        out = decode.ask(None)
+        assert out["finished"], out
+        assert out["digest"] != digest(kv, list(SRC)), "the digest cannot tell a premature push"
+        prefill.end_pass()
+        wait_sent(prefill, "r4002", 10)
+    finally:
+        decode.close()
+        prefill.shutdown()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_room_whose_decode_has_not_asked_goes_whole_after_the_pass(engine: str) -> None:
+    kv = make_buffers(2, PAGES, ITEM, seed=13)
+    prefill = prefill_worker(engine, kv)
+    decode = DecodeWorker(engine)
+    try:
+        prefill.begin_pass(Orders(send=[SendJob("r4003", 4003, SRC)]))
+        run_pass(prefill, kv)
+        prefill.end_pass()
+        out = decode.ask({"op": "recv", "req": "r4003", "room": 4003, "peer": prefill.endpoint, "blocks": DST})
+        assert out["finished"] and out["load_errors"] == [], out
+        assert out["digest"] == digest(kv, list(SRC))
+        wait_sent(prefill, "r4003", 10)
+        counts = prefill.counts()
+        assert (counts["sends_streamed"], counts["sends_asked_early"], counts["sends_failed"]) == (0, 0, 0), counts
+    finally:
+        decode.close()
+        prefill.shutdown()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_pass_that_never_ends_fails_its_rooms_and_both_sides_learn_why(engine: str) -> None:
+    kv = make_buffers(2, PAGES, ITEM, seed=14)
+    prefill = prefill_worker(engine, kv)
+    decode = DecodeWorker(engine)
+    try:
+        asked(prefill, decode, 4004)
+        prefill.begin_pass(Orders(send=[SendJob("r4004", 4004, SRC)]))
+        prefill.layer_written("layer.0")
+        prefill.begin_pass(Orders())  # the next step, without wait_for_save for this one
+        out = decode.ask(None)
+        assert out["finished"] and out["load_errors"] == DST, out  # the load failed: vLLM's policy applies
+        wait_sent(prefill, "r4004", 10)
+        counts = prefill.counts()
+        assert counts["sends_failed"] == 1 and counts["in_flight"] == 0, counts
+    finally:
+        decode.close()
+        prefill.shutdown()
+
+
+def test_stream_layers_false_sends_every_room_whole_after_the_pass() -> None:
+    kv = make_buffers(2, 8, 64, seed=15)
+    worker = prefill_worker(ENGINES[0], kv, stream_layers=False)
+    try:
+        assert not worker.streams_layers
+    finally:
+        worker.shutdown()

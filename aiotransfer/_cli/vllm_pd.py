@@ -9,7 +9,9 @@ Scenarios (:mod:`aiotransfer._cli.vllm.scenarios`):
 
 * ``single``       -- one engine without a connector: the reference tokens;
 * ``pd``           -- the reference, then per connector kind (``--kinds``): every prompt through prefill and
-                      decode with all requests in flight together, the negative control, a leak check;
+                      decode with all requests in flight together, the negative control, a leak check
+                      (``--dispatch serial,concurrent``: AiotransferConnector kinds also with concurrent
+                      dispatch, the decode asking before the prefill computes, so the prefill streams layers);
 * ``negative``     -- ``pd`` reduced to the negative control (decode over another request's KV);
 * ``kill-prefill`` -- the prefill is SIGKILLed after its outputs, before the decode runs (``--policy``);
 * ``decode-abort`` -- the decode aborts a request while its KV loads; every block must come back;
@@ -75,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", default="600,100,37,257", help="prompt lengths when generated (default %(default)s)")
     p.add_argument("--negative-len", type=int, default=200,
                    help="length of the two prompts of the negative control (0: none; default %(default)s)")
+    p.add_argument("--dispatch", default="serial",
+                   help="pd: serial and/or concurrent (AiotransferConnector kinds), comma-separated (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed")
     p.add_argument("--model-seed", type=int, default=0, help="weight seed")
     p.add_argument("--no-reference", action="store_true", help="pd: skip the single-engine reference")
@@ -146,7 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.scenario == "single":
         result = sc.single(opts, prompts)
     elif ns.scenario == "pd":
-        result = sc.pd(opts, kinds, prompts, negative, reference=not ns.no_reference)
+        result = sc.pd(opts, kinds, prompts, negative, reference=not ns.no_reference,
+                       dispatch=[d for d in ns.dispatch.split(",") if d])
     elif ns.scenario == "negative":
         if negative is None:
             print("negative: --negative-len must be > 0", file=sys.stderr)

@@ -36,7 +36,8 @@ def _engine_log_hint(result: dict[str, Any]) -> str:
 def pd_run(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run_harness(vllm_python, tmp_path_factory.mktemp("vllm-pd"), "pd", "--kinds", ",".join(PD_KINDS),
                        "--lengths", ",".join(map(str, LENGTHS)), "--negative-len", "200", "--block-size", "32",
-                       "--max-tokens", "8", "--transfer-timeout", str(TRANSFER_TIMEOUT), "--lease", str(LEASE))
+                       "--max-tokens", "8", "--transfer-timeout", str(TRANSFER_TIMEOUT), "--lease", str(LEASE),
+                       "--dispatch", "serial,concurrent")
 
 
 def test_reference_is_a_real_generation(pd_run: dict[str, Any]) -> None:
@@ -80,13 +81,34 @@ def test_pd_leaves_every_block_free(pd_run: dict[str, Any], kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", AIOTRANSFER_KINDS)
+def test_concurrent_dispatch_with_layer_streaming_gives_the_single_engines_tokens(pd_run: dict[str, Any],
+                                                                                   kind: str) -> None:
+    """Each decode request asked before its prompt was computed: the prefill pushed its layers during the
+    forward pass. Same tokens, same bytes, and the negative control (rooms swapped) differs."""
+    run = pd_run["runs"][kind]
+    assert "error" not in run, run["error"]
+    conc = run["concurrent"]
+    assert [r["outcome"] for r in conc["decode"]] == ["ok"] * len(LENGTHS), conc["decode"]
+    assert [r["outcome"] for r in conc["prefill"]] == ["ok"] * len(LENGTHS), conc["prefill"]
+    assert conc["tokens"] == pd_run["reference"]["tokens"][:len(LENGTHS)]
+    block_bytes = 4 * 2 * 2 * 64 * 4 * 32
+    assert sorted(r["bytes"] for r in conc["transfers"]["records"]) == sorted(-(-n // 32) * block_bytes for n in LENGTHS)
+    neg = conc["negative"]
+    assert neg["outcomes"] == ["ok", "ok"]
+    for got, want in zip(neg["tokens"], pd_run["reference"]["tokens"][len(LENGTHS):], strict=True):
+        assert got != want, "decode in the other prompt's room gave the reference tokens: the test cannot fail"
+
+
+@pytest.mark.parametrize("kind", AIOTRANSFER_KINDS)
 def test_aiotransfer_connector_counts(pd_run: dict[str, Any], kind: str) -> None:
     run = pd_run["runs"][kind]
     assert "error" not in run, run["error"]
-    n = len(LENGTHS) + 2
+    n = len(LENGTHS) + 2  # per dispatch: the prompts and the negative control's two
     prefill, decode = run["stats"]["prefill"], run["stats"]["decode"]
-    assert prefill["worker"]["sends"] == n and prefill["worker"]["sends_failed"] == 0, prefill
-    assert decode["worker"]["receives"] == n and decode["worker"]["receives_failed"] == 0, decode
+    assert prefill["worker"]["sends"] == 2 * n and prefill["worker"]["sends_failed"] == 0, prefill
+    assert decode["worker"]["receives"] == 2 * n and decode["worker"]["receives_failed"] == 0, decode
+    # every concurrent request was asked for before its prompt was computed, and streamed layer by layer
+    assert prefill["worker"]["sends_asked_early"] == n and prefill["worker"]["sends_streamed"] == n, prefill
     for stats in (prefill, decode):
         assert stats["worker"]["in_flight"] == 0 and stats["worker"]["withheld"] == 0, stats
         assert stats["scheduler"] == {"sending": 0, "receiving": 0, "prefilling": 0}, stats

@@ -14,6 +14,7 @@ import signal
 import socket
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -94,6 +95,28 @@ class Pair:
                    ) -> list[dict[str, Any]]:
         return self.generate(self.decode, prompts, self.opts.max_tokens, params, tag="d", **kw)
 
+    def run_concurrent(self, prompts: list[list[int]], order: Sequence[int] | None = None, ask_first: bool = True,
+                       ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Concurrent dispatch: each prompt to the decode and the prefill at once, one random room per
+        prompt. ``order``: decode request ``i`` takes the room of prefill request ``order[i]`` (the negative
+        control swaps them). ``ask_first``: the prefill's requests go out once its worker holds every
+        decode's request (the decode asked before the prompt was computed, deterministically); else both go
+        out together. Returns (prefill, decode)."""
+        from ...integrations.vllm import concurrent_params
+
+        endpoint = self.prefill.call("endpoint")
+        pairs = [concurrent_params(endpoint, random.randrange(2**63)) for _ in prompts]
+        order = list(order) if order is not None else list(range(len(prompts)))
+        with ThreadPoolExecutor(1) as pool:
+            decoded = pool.submit(self.run_decode, prompts, [pairs[j][1] for j in order])
+            deadline = time.monotonic() + self.opts.transfer_timeout
+            while ask_first and not decoded.done() and time.monotonic() < deadline:
+                if self.prefill.call("stats")["pending_requests"] >= len(prompts):
+                    break
+                time.sleep(0.01)
+            prefilled = self.generate(self.prefill, prompts, 1, [{**PREFILL_PARAMS, **p} for p, _ in pairs], tag="p")
+            return prefilled, decoded.result()
+
     def settle(self, timeout: float | None = None) -> dict[str, Any]:
         """Both sides: step until every block is back (a delayed free needs engine steps)."""
         t = timeout if timeout is not None else self.opts.lease + self.opts.transfer_timeout + 10
@@ -148,21 +171,27 @@ def single(opts: Options, prompts: list[list[int]], tag: str = "single") -> dict
             "peak_rss_mib": (closed or {}).get("peak_rss_mib"), "wall_s": time.monotonic() - t0}
 
 
-def _negative(p: Pair, prompts: list[list[int]]) -> dict[str, Any]:
-    """Two prompts of one length, their prefill outputs' params swapped on the decode."""
+def _negative(p: Pair, prompts: list[list[int]], dispatch: str = "serial") -> dict[str, Any]:
+    """Two prompts of one length, their prefill outputs' params (concurrent: their rooms) swapped on the
+    decode."""
     a, b = prompts
     if len(a) != len(b):
         raise ValueError("the negative control needs two prompts of the same length")
-    pre = p.run_prefill([a, b])
-    swapped = [pre[1]["kv_transfer_params"], pre[0]["kv_transfer_params"]]
-    dec = p.run_decode([a, b], swapped)
+    if dispatch == "concurrent":
+        _, dec = p.run_concurrent([a, b], order=[1, 0])
+    else:
+        pre = p.run_prefill([a, b])
+        swapped = [pre[1]["kv_transfer_params"], pre[0]["kv_transfer_params"]]
+        dec = p.run_decode([a, b], swapped)
     return {"tokens": [r["tokens"] for r in dec], "outcomes": [r["outcome"] for r in dec]}
 
 
 def pd(opts: Options, kinds: Sequence[str], prompts: list[list[int]], negative: list[list[int]] | None,
-       reference: bool = True) -> dict[str, Any]:
+       reference: bool = True, dispatch: Sequence[str] = ("serial",)) -> dict[str, Any]:
     """Reference (single engine) once, then per kind: PD of all prompts in flight together, the negative
-    control, and a leak check (every block back on both sides)."""
+    control, and a leak check (every block back on both sides). With ``concurrent`` in ``dispatch``,
+    AiotransferConnector kinds also run the prompts and the negative control with concurrent dispatch
+    (:meth:`Pair.run_concurrent`), under ``run["concurrent"]``."""
     t0 = time.monotonic()
     out: dict[str, Any] = {"prompt_lens": [len(x) for x in prompts], "runs": {}}
     if negative is not None:
@@ -190,6 +219,8 @@ def pd(opts: Options, kinds: Sequence[str], prompts: list[list[int]], negative: 
                     run["transfers"] = p.decode.call("take_transfers")
                 if negative is not None:
                     run["negative"] = _negative(p, negative)
+                if "concurrent" in dispatch and kind.startswith("aiotransfer"):
+                    run["concurrent"] = _concurrent(p, prompts, negative)
                 run["settle"] = p.settle()
                 run["stats"] = {"prefill": p.prefill.call("stats"), "decode": p.decode.call("stats")}
                 run["peak_rss_mib"] = engine_peaks(p.close())
@@ -197,6 +228,19 @@ def pd(opts: Options, kinds: Sequence[str], prompts: list[list[int]], negative: 
             run["error"] = f"{type(exc).__name__}: {exc}"
         run["wall_s"] = time.monotonic() - k0
     out["wall_s"] = time.monotonic() - t0
+    return out
+
+
+def _concurrent(p: Pair, prompts: list[list[int]], negative: list[list[int]] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if prompts:
+        p.decode.call("take_transfers")  # the serial runs' records
+        t = time.monotonic()
+        pre, dec = p.run_concurrent(prompts)
+        out.update(s=time.monotonic() - t, prefill=pre, decode=dec, tokens=[r["tokens"] for r in dec],
+                   transfers=p.decode.call("take_transfers"))
+    if negative is not None:
+        out["negative"] = _negative(p, negative, "concurrent")
     return out
 
 

@@ -189,10 +189,16 @@ class Server:
         conn = self._worker_connector
         if conn is not None and hasattr(conn, "worker_side"):
             out["worker"] = conn.worker_side.counts()
+            out["pending_requests"] = conn.worker_side.manager_stats()["pending_requests"]
             sched = getattr(self.scheduler, "connector", None)
             if sched is not None and hasattr(sched, "scheduler_side"):
                 out["scheduler"] = sched.scheduler_side.counts()
         return out
+
+    def cmd_endpoint(self) -> str | None:
+        """The aiotransfer worker's control address (what a prefill's answers carry as aiotransfer_endpoint)."""
+        conn = self._worker_connector
+        return conn.worker_side.endpoint if conn is not None and hasattr(conn, "worker_side") else None
 
     def cmd_shutdown(self) -> dict[str, Any]:
         stats = self.cmd_stats()

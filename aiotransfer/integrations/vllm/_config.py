@@ -17,8 +17,8 @@ from typing import Any
 from ...config import TransferConfig
 from ...errors import ConfigError, InvalidArgument
 
-__all__ = ["CacheGroups", "ConnectorConfig", "RemotePrefill", "check_endpoint", "check_room", "prefill_room",
-           "room_of", "FORGONE",
+__all__ = ["CacheGroups", "ConnectorConfig", "RemotePrefill", "check_endpoint", "check_room", "concurrent_params",
+           "prefill_room", "room_of", "FORGONE",
            "NIXL_PROGRESS_DELAY_US", "KEY_ENDPOINT", "KEY_ROOM", "STATE_KIND"]
 
 KEY_ENDPOINT = "aiotransfer_endpoint"
@@ -195,6 +195,16 @@ def check_room(room: object) -> int:
     if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 2**63:
         raise InvalidArgument(f"kv_transfer_params: {KEY_ROOM} must be an int in [0, 2**63), got {reprlib.repr(room)}")
     return room
+
+
+def concurrent_params(endpoint: str, room: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``kv_transfer_params`` for concurrent dispatch: ``(prefill's, decode's)``, the two requests of one
+    prompt sent at once. Both name ``room`` (a router picks one per request, e.g. 63 random bits); the
+    decode's names the prefill worker's control address ``endpoint`` (any answer of that prefill carries
+    it as ``aiotransfer_endpoint``). Raises :class:`InvalidArgument` for a bad address or room."""
+    room = check_room(room)
+    return ({"do_remote_decode": True, "do_remote_prefill": False, KEY_ROOM: room},
+            {"do_remote_prefill": True, "do_remote_decode": False, KEY_ENDPOINT: check_endpoint(endpoint), KEY_ROOM: room})
 
 
 def prefill_room(params: Mapping[str, Any] | None, request_id: str) -> int:

@@ -78,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--negative-len", type=int, default=200,
                    help="length of the two prompts of the negative control (0: none; default %(default)s)")
     p.add_argument("--dispatch", default="serial",
-                   help="pd: serial and/or concurrent (AiotransferConnector kinds), comma-separated (default %(default)s)")
+                   help="pd: serial and/or concurrent (AiotransferConnector kinds), comma-separated; kill-prefill, "
+                        "decode-abort: one of them (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed")
     p.add_argument("--model-seed", type=int, default=0, help="weight seed")
     p.add_argument("--no-reference", action="store_true", help="pd: skip the single-engine reference")
@@ -158,9 +159,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         result = sc.pd(opts, kinds, [], negative, reference=not ns.no_reference)
     elif ns.scenario == "kill-prefill":
-        result = sc.kill_prefill(opts, ns.kind, prompts)
+        result = sc.kill_prefill(opts, ns.kind, prompts, dispatch=ns.dispatch)
     else:
-        result = sc.decode_abort(opts, ns.kind, prompts, after_steps=ns.abort_after_steps)
+        result = sc.decode_abort(opts, ns.kind, prompts, after_steps=ns.abort_after_steps, dispatch=ns.dispatch)
     result["options"] = {k: v for k, v in vars(ns).items() if k != "out"}
     result["workdir"] = workdir
     result["harness_wall_s"] = time.monotonic() - t0

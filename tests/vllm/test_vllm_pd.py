@@ -117,15 +117,19 @@ def test_aiotransfer_connector_counts(pd_run: dict[str, Any], kind: str) -> None
 # ----------------------------------------------------------------------------------------------------
 # faults
 # ----------------------------------------------------------------------------------------------------
-FAULTS = [(kind, policy) for kind in AIOTRANSFER_KINDS for policy in ("fail", "recompute")]
+FAULTS = [("aiotransfer-mooncake", "fail", "serial"), ("aiotransfer-mooncake", "recompute", "concurrent"),
+          ("aiotransfer-nixl", "fail", "concurrent"), ("aiotransfer-nixl", "recompute", "serial")]
+"""Each engine, each failure policy and each dispatch, pairwise (one engine pair per case)."""
 
 
-@pytest.fixture(scope="module", params=FAULTS, ids=[f"{k}-{p}" for k, p in FAULTS])
+@pytest.fixture(scope="module", params=FAULTS, ids=["-".join(f) for f in FAULTS])
 def killed_prefill(request: pytest.FixtureRequest, vllm_python: str,
                    tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    kind, policy = request.param
+    """Serial: the prefill is killed after answering, before the decode asks. Concurrent: after the decode
+    has asked, before the prefill computes (the decode waits on a prefill that dies)."""
+    kind, policy, dispatch = request.param
     return run_harness(vllm_python, tmp_path_factory.mktemp(f"vllm-kill-{kind}-{policy}"), "kill-prefill",
-                       "--kind", kind, "--policy", policy, "--lengths", "600,100,37",
+                       "--kind", kind, "--policy", policy, "--lengths", "600,100,37", "--dispatch", dispatch,
                        "--transfer-timeout", str(TRANSFER_TIMEOUT), "--lease", str(LEASE))
 
 
@@ -156,11 +160,16 @@ ABORT_LEASE = 30.0
 machine, so the two cannot be mistaken for each other."""
 
 
-@pytest.fixture(scope="module", params=AIOTRANSFER_KINDS)
+ABORTS = [("aiotransfer-mooncake", "serial"), ("aiotransfer-nixl", "concurrent")]
+
+
+@pytest.fixture(scope="module", params=ABORTS, ids=["-".join(a) for a in ABORTS])
 def aborted_decode(request: pytest.FixtureRequest, vllm_python: str,
                    tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_harness(vllm_python, tmp_path_factory.mktemp(f"vllm-abort-{request.param}"), "decode-abort",
-                       "--kind", request.param, "--lengths", "600,100", "--abort-after-steps", "1",
+    """Serial: the decode aborts while its KV loads. Concurrent: while the prefill computes or pushes it."""
+    kind, dispatch = request.param
+    return run_harness(vllm_python, tmp_path_factory.mktemp(f"vllm-abort-{kind}"), "decode-abort",
+                       "--kind", kind, "--lengths", "600,100", "--abort-after-steps", "1", "--dispatch", dispatch,
                        "--transfer-timeout", str(TRANSFER_TIMEOUT), "--lease", str(ABORT_LEASE))
 
 

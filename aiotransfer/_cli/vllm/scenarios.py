@@ -13,7 +13,7 @@ import random
 import signal
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -96,25 +96,32 @@ class Pair:
         return self.generate(self.decode, prompts, self.opts.max_tokens, params, tag="d", **kw)
 
     def run_concurrent(self, prompts: list[list[int]], order: Sequence[int] | None = None, ask_first: bool = True,
+                       before_prefill: Callable[[], None] | None = None, prefill: bool = True, **decode_kw: Any,
                        ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """Concurrent dispatch: each prompt to the decode and the prefill at once, one random room per
         prompt. ``order``: decode request ``i`` takes the room of prefill request ``order[i]`` (the negative
         control swaps them). ``ask_first``: the prefill's requests go out once its worker holds every
         decode's request (the decode asked before the prompt was computed, deterministically); else both go
-        out together. Returns (prefill, decode)."""
+        out together. ``before_prefill()`` runs just before the prefill's requests would go out (a fault),
+        and ``prefill=False`` sends none. ``decode_kw`` go to the decode's generate. Returns (prefill, decode)."""
         from ...integrations.vllm import concurrent_params
 
         endpoint = self.prefill.call("endpoint")
         pairs = [concurrent_params(endpoint, random.randrange(2**63)) for _ in prompts]
         order = list(order) if order is not None else list(range(len(prompts)))
+        prefilled: list[dict[str, Any]] = []
         with ThreadPoolExecutor(1) as pool:
-            decoded = pool.submit(self.run_decode, prompts, [pairs[j][1] for j in order])
+            decoded = pool.submit(self.run_decode, prompts, [pairs[j][1] for j in order], **decode_kw)
             deadline = time.monotonic() + self.opts.transfer_timeout
             while ask_first and not decoded.done() and time.monotonic() < deadline:
                 if self.prefill.call("stats")["pending_requests"] >= len(prompts):
                     break
                 time.sleep(0.01)
-            prefilled = self.generate(self.prefill, prompts, 1, [{**PREFILL_PARAMS, **p} for p, _ in pairs], tag="p")
+            if before_prefill is not None:
+                before_prefill()
+            if prefill:
+                prefilled = self.generate(self.prefill, prompts, 1, [{**PREFILL_PARAMS, **p} for p, _ in pairs],
+                                          tag="p")
             return prefilled, decoded.result()
 
     def settle(self, timeout: float | None = None) -> dict[str, Any]:
@@ -244,26 +251,37 @@ def _concurrent(p: Pair, prompts: list[list[int]], negative: list[list[int]] | N
     return out
 
 
-def kill_prefill(opts: Options, kind: str, prompts: list[list[int]]) -> dict[str, Any]:
-    """The prefill process group is SIGKILLed after its outputs (params) and before the decode runs.
+def kill_prefill(opts: Options, kind: str, prompts: list[list[int]], dispatch: str = "serial") -> dict[str, Any]:
+    """The prefill process group is SIGKILLed after its outputs (params) and before the decode runs; with
+    concurrent dispatch, after the decode has asked for every prompt and before the prefill computes any.
 
     Reports the decode's outcome per request, how long the decode took, its free blocks before, after the
     requests and after settling, and (policy ``recompute``) the decode engine's own local tokens for the
     same prompts, computed afterwards, as the reference."""
     t0 = time.monotonic()
-    out: dict[str, Any] = {"kind": kind, "policy": opts.policy, "prompt_lens": [len(x) for x in prompts]}
+    out: dict[str, Any] = {"kind": kind, "policy": opts.policy, "prompt_lens": [len(x) for x in prompts],
+                           "dispatch": dispatch}
     with pair(opts, kind, f"{kind}-kill-{opts.policy}") as p:
         out["start_s"] = p.start_s
-        pre = p.run_prefill(prompts)
-        params = [r["kv_transfer_params"] for r in pre]
+
+        def kill() -> None:
+            p.prefill.kill(signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while p.prefill.alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            out["prefill_dead"] = not p.prefill.alive()
+
         out["blocks_before"] = p.decode.call("blocks")
-        p.prefill.kill(signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while p.prefill.alive() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        out["prefill_dead"] = not p.prefill.alive()
         t = time.monotonic()
-        dec = p.run_decode(prompts, params, timeout=opts.transfer_timeout + 60)
+        if dispatch == "concurrent":
+            _, dec = p.run_concurrent(prompts, before_prefill=kill, prefill=False, timeout=opts.transfer_timeout + 60)
+        else:
+            pre = p.run_prefill(prompts)
+            params = [r["kv_transfer_params"] for r in pre]
+            out["blocks_before"] = p.decode.call("blocks")
+            kill()
+            t = time.monotonic()
+            dec = p.run_decode(prompts, params, timeout=opts.transfer_timeout + 60)
         out["decode_s"] = time.monotonic() - t
         out["decode"] = dec
         out["outcomes"] = [r["outcome"] for r in dec]
@@ -281,20 +299,28 @@ def kill_prefill(opts: Options, kind: str, prompts: list[list[int]]) -> dict[str
     return out
 
 
-def decode_abort(opts: Options, kind: str, prompts: list[list[int]], after_steps: int = 1) -> dict[str, Any]:
-    """The decode aborts request 0 after ``after_steps`` engine steps (its KV load under way); the others
-    run. Then both sides settle: every block must be back (the prefill's after its lease at the latest)."""
+def decode_abort(opts: Options, kind: str, prompts: list[list[int]], after_steps: int = 1,
+                 dispatch: str = "serial") -> dict[str, Any]:
+    """The decode aborts request 0 after ``after_steps`` engine steps (its KV load under way; with
+    concurrent dispatch, while the prefill computes or pushes it); the others run. Then both sides settle:
+    every block must be back (the prefill's after its lease at the latest)."""
     t0 = time.monotonic()
-    out: dict[str, Any] = {"kind": kind, "prompt_lens": [len(x) for x in prompts], "after_steps": after_steps}
+    out: dict[str, Any] = {"kind": kind, "prompt_lens": [len(x) for x in prompts], "after_steps": after_steps,
+                           "dispatch": dispatch}
+    abort = {"index": 0, "after_steps": after_steps}
     with pair(opts, kind, f"{kind}-abort") as p:
         out["start_s"] = p.start_s
         out["idle_blocks"] = {"prefill": p.prefill.info["free_idle"], "decode": p.decode.info["free_idle"]}
-        pre = p.run_prefill(prompts)
-        prefilled = time.monotonic()
-        out["prefill_blocks_held"] = p.prefill.call("blocks")
         t = time.monotonic()
-        dec = p.run_decode(prompts, [r["kv_transfer_params"] for r in pre],
-                           abort={"index": 0, "after_steps": after_steps})
+        if dispatch == "concurrent":  # both at once: the abort comes while the prefill computes or pushes
+            _, dec = p.run_concurrent(prompts, ask_first=False, abort=abort)
+            prefilled = time.monotonic()
+        else:
+            pre = p.run_prefill(prompts)
+            prefilled = time.monotonic()
+            out["prefill_blocks_held"] = p.prefill.call("blocks")
+            t = time.monotonic()
+            dec = p.run_decode(prompts, [r["kv_transfer_params"] for r in pre], abort=abort)
         out["decode_s"] = time.monotonic() - t
         out["prefill_blocks_after_decode"] = p.prefill.call("blocks")
         out["outcomes"] = [r["outcome"] for r in dec]

@@ -395,6 +395,20 @@ def test_a_repeated_prompt_loads_only_what_the_decodes_cache_lacks(stack: Stack)
     assert metric(stack.decode.url, LOADED) - loaded_before == 600 - 18 * 32
 
 
+def test_a_concurrent_decode_with_a_prefix_hit_asks_only_for_what_it_lacks(stack: Stack) -> None:
+    """Concurrent dispatch with the prompt's head in the decode's prefix cache: the decode asks for the
+    tail only, before the prefill has computed it, and the prefill pushes the tail."""
+    (prompt,) = prompts(15, [600])
+    want = reference(stack, prompt)
+    assert tokens(stack.proxy.url, prompt) == want  # serial: the decode caches the prompt's 18 full blocks
+    tokens(stack.concurrent_proxy.url, prompts(16, [40])[0])  # learns the prefill worker's address, if new
+    loaded_before = metric(stack.decode.url, LOADED)
+    dispatched = call(stack.concurrent_proxy.url + "/healthz")[1]["dispatched"]["concurrent"]
+    assert tokens(stack.concurrent_proxy.url, prompt) == want
+    assert call(stack.concurrent_proxy.url + "/healthz")[1]["dispatched"]["concurrent"] == dispatched + 1
+    assert metric(stack.decode.url, LOADED) - loaded_before == 600 - 18 * 32
+
+
 def test_healthz(stack: Stack) -> None:
     status, body = call(stack.proxy.url + "/healthz")
     assert status == 200 and body["status"] == "ok", body

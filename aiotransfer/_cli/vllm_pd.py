@@ -52,7 +52,9 @@ def vllm_problem() -> str | None:
 
 def from_bench_cli(ns: argparse.Namespace) -> int:
     """``python -m aiotransfer bench --suite vllm [--quick] [--repeats N] [--seed S] [--out JSON]``."""
-    argv = ["bench", "--json", ns.out or "bench-results/vllm.json", "--seed", str(ns.seed)]
+    from .vllm.bench import DEFAULT_KINDS
+
+    argv = ["bench", "--json", ns.out or "bench-results/vllm.json", "--seed", str(ns.seed), "--kinds", DEFAULT_KINDS]
     if ns.quick:
         argv.append("--quick")
     if ns.repeats is not None:
@@ -96,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--abort-after-steps", type=int, default=1, help="decode-abort: engine steps before the abort")
     p.add_argument("--omp-split", action="store_true", help="bind prefill OpenMP to core 0, decode to core 1")
     bench = p.add_argument_group("bench")
-    bench.add_argument("--tokens", type=int, default=1024, help="prompt length (default %(default)s)")
+    bench.add_argument("--tokens", default="1024,4096", help="prompt lengths, comma-separated (default %(default)s)")
     bench.add_argument("--concurrency", default="1,8", help="requests in flight (default %(default)s)")
     bench.add_argument("--repeats", type=int, default=None, help="rounds per concurrency (default 3; 1 with --quick)")
     bench.add_argument("--quick", action="store_true", help="256-token prompts, 1 and 4 in flight")

@@ -1,23 +1,33 @@
-"""``aiotransfer bench --suite vllm``: PD through AiotransferConnector against vLLM's own NixlConnector.
+"""``aiotransfer bench --suite vllm``: TTFT of PD through AiotransferConnector, serial and concurrent, against
+vLLM's own NixlConnector and against a single engine, in one run.
 
 Same model (:data:`~aiotransfer._cli.vllm.model.BENCH`: 8 layers, 8 KV heads of 64, fp32, 32 KiB of KV per
-token), same prompts, same flow. Each connector kind gets one prefill and one decode engine, started once
-and reused for every round: a warm-up request, then ``repeats`` rounds at each concurrency (all requests of
-a round submitted together, prefill first, then decode). Per request (medians over rounds and requests):
+token), same prompts. Each connector kind gets one prefill and one decode engine (``single``: one engine),
+started once and reused: a warm-up request, then for each prompt size and concurrency ``repeats`` rounds
+(all requests of a round submitted together). AiotransferConnector kinds run two flows per round, one after
+the other on the same engines:
 
-* ``ttft_s``        -- prefill's submit -> finish, plus the decode's submit -> first token (what a client of
-  a router that waits for the prefill sees);
-* ``e2e_s``         -- prefill's submit -> finish, plus the decode's submit -> last token;
-* ``decode_ttft_s`` -- the decode's submit -> first token alone: scheduling, the KV load and one step;
-* ``transfer_s``    -- the KV load as the connector reports it (aiotransfer: ``send_metadata`` -> last byte;
-  NixlConnector: NIXL's transfer telemetry, post -> done). The scopes differ: NIXL's excludes its
-  handshake and notifications, so ``decode_ttft_s`` is the like-for-like comparison;
-* ``bytes``         -- KV blocks moved x block bytes.
+* ``serial``     -- vLLM's flow, as NixlConnector runs it: the prefill's requests, then, with what they
+  answered, the decode's;
+* ``concurrent`` -- concurrent dispatch: each prompt's prefill and decode requests submitted together, in
+  one room (what ``examples/vllm_pd_proxy.py --concurrent`` does). The decode asks while the prefill
+  computes, and the prefill pushes each layer as its forward pass writes it (kinds ending ``-whole`` run
+  with ``stream_layers=False``: the room goes whole after the pass).
 
-Ratios are aiotransfer / NixlConnector (< 1: aiotransfer faster). Engines here share 2 CPU cores. NIXL's
-UCX progress thread spins a core per engine under NixlConnector and ``aiotransfer-nixl-spin``;
-``aiotransfer-nixl`` runs the connector's default, which paces it. Absolute numbers are this machine's, the
-ratios are from the same run.
+Per request (p50 and p99 over rounds and requests):
+
+* ``ttft_s``        -- what a client of the router sees: serial, the prefill's submit -> finish plus the
+  decode's submit -> first token; concurrent, the submit -> the decode's first token;
+* ``handover_s``    -- ``ttft_s`` minus the single engine's ``ttft_s`` p50 for the same prompts (the exposed
+  handover: what disaggregation adds to the first token);
+* ``decode_ttft_s`` -- the decode's submit -> first token alone (concurrent: includes the prefill's compute);
+* ``transfer_s``    -- the KV load as the connector reports it (aiotransfer: ``send_metadata`` -> last byte,
+  which under concurrent dispatch spans the prefill's compute; NixlConnector: NIXL's telemetry, post ->
+  done).
+
+Ratios are against NixlConnector's serial flow (< 1: faster). The engines share this machine's cores; NIXL's
+UCX progress thread spins a core per engine under NixlConnector and the ``-spin`` kinds (NixlConnector's
+way, the like-for-like comparison), while ``aiotransfer-nixl`` paces it (the connector's default).
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import math
 import os
 import platform
 import statistics
@@ -34,92 +45,124 @@ from typing import Any
 
 from ..files import write_json
 from . import scenarios as sc
+from .engine import Engine, start_engines
 from .model import BENCH, make_tiny_llama
 
-__all__ = ["run_bench"]
+__all__ = ["DEFAULT_KINDS", "run_bench"]
 
-_METRICS = ("ttft_s", "e2e_s", "decode_ttft_s", "transfer_s")
+DEFAULT_KINDS = "single,nixl,aiotransfer-nixl-spin,aiotransfer-nixl-spin-whole,aiotransfer-nixl"
+"""The reference, NixlConnector, and AiotransferConnector with NIXL's progress thread as NixlConnector runs
+it (with and without layer streaming) and as the connector runs it by default."""
+_METRICS = ("ttft_s", "handover_s", "decode_ttft_s", "e2e_s", "transfer_s")
 _WARMUP_TOKENS = 64
 
 
-def _median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
+def _pct(xs: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (``q`` in 0..1)."""
+    if not xs:
+        return None
+    ys = sorted(xs)
+    return ys[max(0, math.ceil(q * len(ys)) - 1)]
 
 
-def _round(p: sc.Pair, prompts: list[list[int]], block_bytes: int, block_size: int) -> list[dict[str, Any]]:
-    pre = p.run_prefill(prompts)
-    bad = [r for r in pre if r["outcome"] != "ok"]
+def _check(results: list[dict[str, Any]], what: str) -> None:
+    bad = [r for r in results if r["outcome"] != "ok"]
     if bad:
-        raise RuntimeError(f"prefill failed: {bad[0]}")
-    dec = p.run_decode(prompts, [r["kv_transfer_params"] for r in pre])
-    bad = [r for r in dec if r["outcome"] != "ok"]
-    if bad:
-        raise RuntimeError(f"decode failed: {bad[0]['outcome']} ({bad[0]['finish_reason']})")
+        raise RuntimeError(f"{what} failed: {bad[0]['outcome']} ({bad[0].get('finish_reason')})")
+
+
+def _loads(p: sc.Pair, dec: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
     loads = p.decode.call("take_transfers")
     by_id = {rec["request_id"]: rec for rec in loads["records"] if rec["request_id"] is not None}
     unnamed = [rec for rec in loads["records"] if rec["request_id"] is None]
+    return [by_id.get(b["request_id"]) or (unnamed[i] if len(unnamed) == len(dec) else None)
+            for i, b in enumerate(dec)]
+
+
+def _pd_round(p: sc.Pair, prompts: list[list[int]], mode: str) -> list[dict[str, Any]]:
+    streamed_before = p.prefill.call("stats").get("worker", {}).get("sends_streamed", 0)
+    if mode == "concurrent":
+        pre, dec = p.run_concurrent(prompts, ask_first=False)
+    else:
+        pre = p.run_prefill(prompts)
+        _check(pre, "prefill")
+        dec = p.run_decode(prompts, [r["kv_transfer_params"] for r in pre])
+    _check(pre, "prefill")
+    _check(dec, "decode")
+    streamed = p.prefill.call("stats").get("worker", {}).get("sends_streamed", 0) - streamed_before
     rows = []
-    for i, (a, b) in enumerate(zip(pre, dec, strict=True)):
-        rec = by_id.get(b["request_id"]) or (unnamed[i] if len(unnamed) == len(dec) else None)
-        blocks = -(-len(prompts[i]) // block_size)
-        rows.append({
-            "prompt_len": len(prompts[i]),
-            "prefill_s": a["e2e_s"],
-            "decode_ttft_s": b["ttft_s"],
-            "decode_e2e_s": b["e2e_s"],
-            "ttft_s": a["e2e_s"] + b["ttft_s"],
-            "e2e_s": a["e2e_s"] + b["e2e_s"],
-            "transfer_s": rec["seconds"] if rec else None,
-            "bytes_reported": rec["bytes"] if rec else None,
-            "bytes": blocks * block_bytes,
-        })
+    for a, b, rec in zip(pre, dec, _loads(p, dec), strict=True):
+        serial = mode == "serial"
+        rows.append({"prompt_len": a["prompt_len"], "prefill_s": a["e2e_s"], "decode_ttft_s": b["ttft_s"],
+                     "ttft_s": a["e2e_s"] + b["ttft_s"] if serial else b["ttft_s"],
+                     "e2e_s": a["e2e_s"] + b["e2e_s"] if serial else b["e2e_s"],
+                     "transfer_s": rec["seconds"] if rec else None, "streamed": streamed / len(dec)})
     p.settle()
     return rows
 
 
-def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def _single_round(eng: Engine, prompts: list[list[int]], opts: sc.Options) -> list[dict[str, Any]]:
+    res = eng.call("generate", wait=opts.step_timeout + 30, prompts=prompts, max_tokens=opts.max_tokens,
+                   params=[None] * len(prompts), timeout=opts.step_timeout)
+    _check(res, "single engine")
+    return [{"prompt_len": r["prompt_len"], "ttft_s": r["ttft_s"], "e2e_s": r["e2e_s"]} for r in res]
+
+
+def _summary(rows: list[dict[str, Any]], single_ttft: float | None) -> dict[str, Any]:
+    if single_ttft is not None:
+        for r in rows:
+            r["handover_s"] = r["ttft_s"] - single_ttft
     out: dict[str, Any] = {"requests": len(rows)}
     for m in _METRICS:
-        out[f"{m}_p50"] = _median([r[m] for r in rows if r[m] is not None])
-    out["bytes_per_request"] = _median([r["bytes"] for r in rows])
-    t, b = out["transfer_s_p50"], out["bytes_per_request"]
-    out["transfer_gbps"] = b / t / 1e9 if t and b else None
+        xs = [r[m] for r in rows if r.get(m) is not None]
+        out[f"{m}_p50"] = statistics.median(xs) if xs else None
+        out[f"{m}_p99"] = _pct(xs, 0.99)
+    if rows and "streamed" in rows[0]:
+        out["streamed_share"] = statistics.fmean(r["streamed"] for r in rows)
     return out
 
 
+def _columns(kinds: list[str]) -> list[str]:
+    cols = []
+    for kind in kinds:
+        if kind.startswith("aiotransfer"):
+            cols += ([] if kind.endswith("-whole") else [f"{kind} serial"]) + [f"{kind} concurrent"]
+        else:
+            cols.append(kind if kind == "single" else f"{kind} serial")
+    return cols
+
+
 def _table(res: dict[str, Any]) -> str:
-    kinds = list(res["kinds"])
-    base = "nixl" if "nixl" in kinds else None
-    lines = [f"vLLM PD bench: {res['tokens']}-token prompts, {res['max_tokens']} decode tokens, block "
-             f"{res['block_size']}, {res['bytes_per_request'] / 2**20:.1f} MiB of KV per request; "
-             f"p50 over {res['repeats']} round(s)"]
-    head = f"{'conc':>4} {'metric':<15}" + "".join(f"{k:>22}" for k in kinds)
-    if base:
-        head += "".join(f"{k + '/nixl':>28}" for k in kinds if k != base)
-    lines.append(head)
-    for conc in res["concurrency"]:
-        for m in (*_METRICS, "transfer_gbps"):
-            key = m if m == "transfer_gbps" else f"{m}_p50"
-            vals = {k: (res["kinds"][k].get("summary", {}).get(str(conc)) or {}).get(key) for k in kinds}
-            unit = 1.0 if m == "transfer_gbps" else 1e3
-            row = f"{conc:>4} {m.replace('_s', '_ms') if m != 'transfer_gbps' else 'GB/s':<15}"
-            row += "".join(f"{v * unit:>22.2f}" if v is not None else f"{'-':>22}" for v in vals.values())
-            if base:
-                for k in kinds:
-                    if k == base:
-                        continue
-                    a, b = vals[k], vals[base]
-                    row += f"{a / b:>28.2f}" if a is not None and b else f"{'-':>28}"
-            lines.append(row)
-    for k in kinds:
-        err = res["kinds"][k].get("error")
-        if err:
-            lines.append(f"{k}: FAILED: {err.splitlines()[0]}")
-    lines.append("transfer_s sources: " + "; ".join(
-        f"{k}: {res['kinds'][k].get('transfer_source')}" for k in kinds))
-    lines.append("nixl and aiotransfer-nixl-spin: NIXL's UCX progress thread spins a core per engine on this 2-core "
-                 "machine, and their rows vary by several x between rounds; aiotransfer-nixl paces it (the "
-                 "connector's default) and Mooncake TCP has no spinning thread")
+    base = "nixl serial"
+    lines = [f"vLLM PD bench: prompts of {res['tokens']} tokens, {res['max_tokens']} decode tokens, block "
+             f"{res['block_size']}, {res['block_bytes'] * 1024 // 2**20 // res['block_size']} MiB of KV per 1k "
+             f"tokens; p50 (p99) over {res['repeats']} round(s); times in ms; ratio: TTFT / NixlConnector's"]
+    head = (f"| {'prompt x in flight':<18} | {'column':<40} | {'TTFT p50 (p99)':>16} | {'handover':>9} | "
+            f"{'decode TTFT':>11} | {'transfer':>9} | {'streamed':>8} | {'TTFT ratio':>10} | {'dec. ratio':>10} |")
+    lines += [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
+
+    def ms(v: float | None) -> str:
+        return f"{v * 1e3:.0f}" if v is not None else "-"
+
+    for size in res["tokens"]:
+        for conc in res["concurrency"]:
+            key = f"{size}x{conc}"
+            cells = res["summary"].get(key, {})
+            ref = cells.get(base) or {}
+            for col in res["columns"]:
+                s = cells.get(col)
+                if s is None:
+                    continue
+                ratio = (f"{s['ttft_s_p50'] / ref['ttft_s_p50']:.2f}" if ref.get("ttft_s_p50") else "-")
+                dratio = (f"{s['decode_ttft_s_p50'] / ref['decode_ttft_s_p50']:.2f}"
+                          if ref.get("decode_ttft_s_p50") and s.get("decode_ttft_s_p50") else "-")
+                share = f"{s['streamed_share']:.0%}" if "streamed_share" in s else "-"
+                lines.append(f"| {f'{size} x {conc}':<18} | {col:<40} | "
+                             f"{ms(s['ttft_s_p50']) + ' (' + ms(s['ttft_s_p99']) + ')':>16} | "
+                             f"{ms(s.get('handover_s_p50')):>9} | {ms(s.get('decode_ttft_s_p50')):>11} | "
+                             f"{ms(s.get('transfer_s_p50')):>9} | {share:>8} | {ratio:>10} | {dratio:>10} |")
+    for kind, err in res["errors"].items():
+        lines.append(f"{kind}: FAILED: {err.splitlines()[0]}")
     lines.append(f"wall {res['wall_s']:.0f} s")
     return "\n".join(lines)
 
@@ -127,54 +170,46 @@ def _table(res: dict[str, Any]) -> str:
 def run_bench(ns: argparse.Namespace, workdir: str) -> int:
     t0 = time.monotonic()
     quick = bool(ns.quick)
-    tokens = 256 if quick else ns.tokens
+    sizes = [256] if quick else [int(t) for t in str(ns.tokens).split(",") if t]
     concs = [1, 4] if quick else [int(c) for c in ns.concurrency.split(",") if c]
     repeats = ns.repeats if ns.repeats is not None else (1 if quick else 3)
     kinds = [k for k in ns.kinds.split(",") if k]
     block_size = ns.block_size
-    spec = dataclasses.replace(BENCH, max_position_embeddings=max(2048, tokens + ns.max_tokens + 64))
+    longest = max(sizes)
+    spec = dataclasses.replace(BENCH, max_position_embeddings=max(2048, longest + ns.max_tokens + 64))
     block_bytes = spec.block_bytes(block_size)
-    need = max(concs) * -(-(tokens + ns.max_tokens) // block_size) * block_bytes
+    need = max(concs) * -(-(longest + ns.max_tokens) // block_size) * block_bytes
     kv_bytes = max(128 << 20, (need * 3 // 2 + (1 << 20) - 1) // (1 << 20) << 20)
     model = make_tiny_llama(os.path.join(workdir, "bench-model"), seed=ns.model_seed, spec=spec)
     opts = sc.Options(model=model, workdir=workdir, block_size=block_size,
-                      max_model_len=min(spec.max_position_embeddings, tokens + ns.max_tokens + block_size),
+                      max_model_len=min(spec.max_position_embeddings, longest + ns.max_tokens + block_size),
                       kv_cache_bytes=kv_bytes, max_tokens=ns.max_tokens,
-                      transfer_timeout=max(ns.transfer_timeout, 30.0), lease=max(ns.lease, 30.0),
-                      omp_split=ns.omp_split)
+                      transfer_timeout=max(ns.transfer_timeout, 60.0), lease=max(ns.lease, 60.0),
+                      step_timeout=600.0, omp_split=ns.omp_split)
     res: dict[str, Any] = {
         "suite": "vllm", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
-        "model": dataclasses.asdict(spec), "dtype": "float32", "tokens": tokens, "max_tokens": ns.max_tokens,
-        "block_size": block_size, "block_bytes": block_bytes,
-        "bytes_per_request": -(-tokens // block_size) * block_bytes, "kv_cache_bytes": kv_bytes,
-        "concurrency": concs, "repeats": repeats, "workdir": workdir, "kinds": {},
+        "model": dataclasses.asdict(spec), "dtype": "float32", "tokens": sizes, "max_tokens": ns.max_tokens,
+        "block_size": block_size, "block_bytes": block_bytes, "kv_cache_bytes": kv_bytes, "concurrency": concs,
+        "repeats": repeats, "workdir": workdir, "kinds": kinds, "columns": _columns(kinds), "rows": {},
+        "summary": {}, "errors": {}, "start_s": {},
     }
-    print(f"[vllm bench] {tokens}-token prompts, concurrency {concs}, {repeats} round(s), kinds {kinds}; "
+    print(f"[vllm bench] prompts of {sizes} tokens, concurrency {concs}, {repeats} round(s), kinds {kinds}; "
           f"logs in {workdir}", file=sys.stderr)
+    rows: dict[str, dict[str, list[dict[str, Any]]]] = {}  # "size x conc" -> column -> rows
     for kind in kinds:
-        entry: dict[str, Any] = {"rounds": {}, "summary": {}}
-        res["kinds"][kind] = entry
         k0 = time.monotonic()
         try:
-            with sc.pair(opts, kind, f"bench-{kind}") as p:
-                entry["start_s"] = p.start_s
-                warm = sc.make_prompts(ns.seed + 999, [_WARMUP_TOKENS])
-                _round(p, warm, block_bytes, block_size)
-                for conc in concs:
-                    rows: list[dict[str, Any]] = []
-                    for r in range(repeats):
-                        prompts = sc.make_prompts(ns.seed * 1000 + conc * 10 + r, [tokens] * conc)
-                        rows += _round(p, prompts, block_bytes, block_size)
-                    entry["rounds"][str(conc)] = rows
-                    entry["summary"][str(conc)] = _summary(rows)
-                    print(f"[vllm bench] {kind} x{conc}: {entry['summary'][str(conc)]}", file=sys.stderr)
-                entry["transfer_source"] = p.decode.call("take_transfers")["source"]
-                entry["peak_rss_mib"] = sc.engine_peaks(p.close())
+            _bench_kind(kind, opts, ns.seed, sizes, concs, repeats, rows)
         except Exception as exc:
-            entry["error"] = f"{type(exc).__name__}: {exc}"
-            print(f"[vllm bench] {kind} failed: {entry['error']}", file=sys.stderr)
-        entry["wall_s"] = time.monotonic() - k0
+            res["errors"][kind] = f"{type(exc).__name__}: {exc}"
+            print(f"[vllm bench] {kind} failed: {res['errors'][kind]}", file=sys.stderr)
+        res["start_s"][kind] = time.monotonic() - k0
+    for key, cols in rows.items():
+        single = cols.get("single")
+        single_ttft = statistics.median(r["ttft_s"] for r in single) if single else None
+        res["summary"][key] = {col: _summary(rs, single_ttft) for col, rs in cols.items()}
+    res["rows"] = rows
     res["wall_s"] = time.monotonic() - t0
     table = _table(res)
     res["table"] = table
@@ -182,4 +217,38 @@ def run_bench(ns: argparse.Namespace, workdir: str) -> int:
     out = ns.out or "bench-results/vllm.json"
     write_json(out, res)
     print(f"results: {out}")
-    return 1 if any("error" in e for e in res["kinds"].values()) else 0
+    return 1 if res["errors"] else 0
+
+
+def _bench_kind(kind: str, opts: sc.Options, seed: int, sizes: list[int], concs: list[int], repeats: int,
+                rows: dict[str, dict[str, list[dict[str, Any]]]]) -> None:
+    """Every round of one connector kind on one engine pair (or one engine), into ``rows``."""
+    warm = sc.make_prompts(seed + 999, [_WARMUP_TOKENS])
+
+    def prompts_for(size: int, conc: int, r: int) -> list[list[int]]:
+        return sc.make_prompts(seed * 100_000 + size * 100 + conc * 10 + r, [size] * conc)
+
+    if kind == "single":
+        (eng,) = start_engines([sc.engine_spec(opts, "bench-single", "single", None)])
+        try:
+            _single_round(eng, warm, opts)
+            for size in sizes:
+                for conc in concs:
+                    for r in range(repeats):
+                        got = _single_round(eng, prompts_for(size, conc, r), opts)
+                        rows.setdefault(f"{size}x{conc}", {}).setdefault("single", []).extend(got)
+        finally:
+            eng.close()
+        return
+    modes = ["concurrent"] if kind.endswith("-whole") else ["serial"]
+    if kind.startswith("aiotransfer") and not kind.endswith("-whole"):
+        modes.append("concurrent")
+    with sc.pair(opts, kind, f"bench-{kind}") as p:
+        _pd_round(p, warm, "serial")
+        for size in sizes:
+            for conc in concs:
+                for r in range(repeats):
+                    for mode in modes:  # interleaved: the flows of one round run back to back
+                        got = _pd_round(p, prompts_for(size, conc, r), mode)
+                        rows.setdefault(f"{size}x{conc}", {}).setdefault(f"{kind} {mode}", []).extend(got)
+                print(f"[vllm bench] {kind} {size}x{conc}: done", file=sys.stderr)

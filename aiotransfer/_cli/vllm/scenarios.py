@@ -21,7 +21,7 @@ from typing import Any
 from .engine import Engine, start_engines
 from .spec import EngineSpec
 
-__all__ = ["PREFILL_PARAMS", "Options", "Pair", "decode_abort", "engine_peaks", "kill_prefill", "make_prompts", "pd", "single"]
+__all__ = ["PREFILL_PARAMS", "Options", "Pair", "engine_spec", "decode_abort", "engine_peaks", "kill_prefill", "make_prompts", "pd", "single"]
 
 PREFILL_PARAMS: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -57,7 +57,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _spec(opts: Options, name: str, kind: str, role: str | None, **over: Any) -> EngineSpec:
+def engine_spec(opts: Options, name: str, kind: str, role: str | None, **over: Any) -> EngineSpec:
     spec = EngineSpec(name=name, model=opts.model, kind=kind, role=role,
                       log_path=os.path.join(opts.workdir, f"{name}.log"), block_size=opts.block_size,
                       max_model_len=opts.max_model_len, kv_cache_bytes=opts.kv_cache_bytes,
@@ -75,8 +75,8 @@ class Pair:
         omp = (0, 1) if opts.omp_split else (None, None)
         t0 = time.monotonic()
         self.prefill, self.decode = start_engines([
-            _spec(opts, f"{tag}-prefill", kind, "prefill", omp_cpu=omp[0]),
-            _spec(opts, f"{tag}-decode", kind, "decode", omp_cpu=omp[1]),
+            engine_spec(opts, f"{tag}-prefill", kind, "prefill", omp_cpu=omp[0]),
+            engine_spec(opts, f"{tag}-decode", kind, "decode", omp_cpu=omp[1]),
         ])
         self.start_s = time.monotonic() - t0
         self.closed: dict[str, Any] = {}
@@ -165,7 +165,7 @@ def engine_peaks(closed: dict[str, Any]) -> dict[str, float | None]:
 def single(opts: Options, prompts: list[list[int]], tag: str = "single") -> dict[str, Any]:
     """The reference: one engine, no connector, every prompt at once."""
     t0 = time.monotonic()
-    (eng,) = start_engines([_spec(opts, tag, "single", None)])
+    (eng,) = start_engines([engine_spec(opts, tag, "single", None)])
     try:
         start_s = time.monotonic() - t0
         t1 = time.monotonic()

@@ -9,11 +9,14 @@ old bytes and fail the digest (the negative control shows that it does).
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import numpy as np
 import pytest
 
+from aiotransfer.errors import AiotransferError, TransferTimeout
+from aiotransfer.integrations.vllm._layers import ForwardPass
 from aiotransfer.integrations.vllm._scheduler import Orders, SendJob
 from aiotransfer.integrations.vllm._worker import WorkerSide
 from tests.conftest import ENGINES
@@ -139,3 +142,38 @@ def test_stream_layers_false_sends_every_room_whole_after_the_pass() -> None:
         assert not worker.streams_layers
     finally:
         worker.shutdown()
+
+
+# -- the pass as the loop thread sees it -----------------------------------------------------------
+async def test_layers_come_in_the_order_the_pass_writes_them_and_the_rest_when_it_ends() -> None:
+    fwd = ForwardPass(asyncio.get_running_loop(), 4)
+    got: list[int] = []
+
+    async def room() -> None:
+        async for layer in fwd.layers(10.0):
+            got.append(layer)
+
+    task = asyncio.create_task(room())
+    for layer in (2, 0, 2):  # vLLM's order need not be the buffers' order; a repeat is ignored
+        fwd.written(layer)
+        await asyncio.sleep(0.01)
+    assert got == [2, 0] and not task.done()
+    fwd.over()  # layers never reported are written once the pass is over
+    await asyncio.wait_for(task, 5)
+    assert got == [2, 0, 1, 3]
+
+
+async def test_an_abandoned_pass_fails_its_rooms_and_a_silent_one_times_out() -> None:
+    loop = asyncio.get_running_loop()
+    fwd = ForwardPass(loop, 2)
+    fwd.written(0)
+    fwd.abandon("vLLM began another step")
+    with pytest.raises(AiotransferError, match="another step"):
+        async for _ in fwd.layers(10.0):
+            pass
+    with pytest.raises(AiotransferError, match="another step"):
+        await fwd.finished(10.0)
+    silent = ForwardPass(loop, 2)
+    with pytest.raises(TransferTimeout, match="did not end within"):
+        async for _ in silent.layers(0.05):
+            pass

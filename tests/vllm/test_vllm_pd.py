@@ -93,6 +93,9 @@ def test_concurrent_dispatch_with_layer_streaming_gives_the_single_engines_token
     assert conc["tokens"] == pd_run["reference"]["tokens"][:len(LENGTHS)]
     block_bytes = 4 * 2 * 2 * 64 * 4 * 32
     assert sorted(r["bytes"] for r in conc["transfers"]["records"]) == sorted(-(-n // 32) * block_bytes for n in LENGTHS)
+    # the decode's metadata after the prefill finished (a decode that could not allocate at once): whole rooms
+    assert [r["outcome"] for r in conc["late"]["decode"]] == ["ok"] * len(LENGTHS), conc["late"]["decode"]
+    assert conc["late"]["tokens"] == pd_run["reference"]["tokens"][:len(LENGTHS)]
     neg = conc["negative"]
     assert neg["outcomes"] == ["ok", "ok"]
     for got, want in zip(neg["tokens"], pd_run["reference"]["tokens"][len(LENGTHS):], strict=True):
@@ -105,9 +108,10 @@ def test_aiotransfer_connector_counts(pd_run: dict[str, Any], kind: str) -> None
     assert "error" not in run, run["error"]
     n = len(LENGTHS) + 2  # per dispatch: the prompts and the negative control's two
     prefill, decode = run["stats"]["prefill"], run["stats"]["decode"]
-    assert prefill["worker"]["sends"] == 2 * n and prefill["worker"]["sends_failed"] == 0, prefill
-    assert decode["worker"]["receives"] == 2 * n and decode["worker"]["receives_failed"] == 0, decode
-    # every concurrent request was asked for before its prompt was computed, and streamed layer by layer
+    late = len(LENGTHS)  # concurrent requests whose decode asked after the prefill finished
+    assert prefill["worker"]["sends"] == 2 * n + late and prefill["worker"]["sends_failed"] == 0, prefill
+    assert decode["worker"]["receives"] == 2 * n + late and decode["worker"]["receives_failed"] == 0, decode
+    # every concurrent request but the late ones was asked for before its prompt was computed, and streamed
     assert prefill["worker"]["sends_asked_early"] == n and prefill["worker"]["sends_streamed"] == n, prefill
     for stats in (prefill, decode):
         assert stats["worker"]["in_flight"] == 0 and stats["worker"]["withheld"] == 0, stats

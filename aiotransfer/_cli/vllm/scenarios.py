@@ -96,19 +96,25 @@ class Pair:
         return self.generate(self.decode, prompts, self.opts.max_tokens, params, tag="d", **kw)
 
     def run_concurrent(self, prompts: list[list[int]], order: Sequence[int] | None = None, ask_first: bool = True,
-                       before_prefill: Callable[[], None] | None = None, prefill: bool = True, **decode_kw: Any,
-                       ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+                       before_prefill: Callable[[], None] | None = None, prefill: bool = True, late: bool = False,
+                       **decode_kw: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """Concurrent dispatch: each prompt to the decode and the prefill at once, one random room per
         prompt. ``order``: decode request ``i`` takes the room of prefill request ``order[i]`` (the negative
         control swaps them). ``ask_first``: the prefill's requests go out once its worker holds every
         decode's request (the decode asked before the prompt was computed, deterministically); else both go
         out together. ``before_prefill()`` runs just before the prefill's requests would go out (a fault),
-        and ``prefill=False`` sends none. ``decode_kw`` go to the decode's generate. Returns (prefill, decode)."""
+        and ``prefill=False`` sends none. ``late``: the decode's requests go out only once the prefill has
+        answered (the decode's metadata arrives after the prefill finished: the rooms go whole, as in the
+        serial flow). ``decode_kw`` go to the decode's generate. Returns (prefill, decode)."""
         from ...integrations.vllm import concurrent_params
 
         endpoint = self.prefill.call("endpoint")
         pairs = [concurrent_params(endpoint, random.randrange(2**63)) for _ in prompts]
         order = list(order) if order is not None else list(range(len(prompts)))
+        prefill_params = [{**PREFILL_PARAMS, **p} for p, _ in pairs]
+        if late:
+            prefilled = self.generate(self.prefill, prompts, 1, prefill_params, tag="p")
+            return prefilled, self.run_decode(prompts, [pairs[j][1] for j in order], **decode_kw)
         prefilled: list[dict[str, Any]] = []
         with ThreadPoolExecutor(1) as pool:
             decoded = pool.submit(self.run_decode, prompts, [pairs[j][1] for j in order], **decode_kw)
@@ -120,8 +126,7 @@ class Pair:
             if before_prefill is not None:
                 before_prefill()
             if prefill:
-                prefilled = self.generate(self.prefill, prompts, 1, [{**PREFILL_PARAMS, **p} for p, _ in pairs],
-                                          tag="p")
+                prefilled = self.generate(self.prefill, prompts, 1, prefill_params, tag="p")
             return prefilled, decoded.result()
 
     def settle(self, timeout: float | None = None) -> dict[str, Any]:
@@ -246,6 +251,8 @@ def _concurrent(p: Pair, prompts: list[list[int]], negative: list[list[int]] | N
         pre, dec = p.run_concurrent(prompts)
         out.update(s=time.monotonic() - t, prefill=pre, decode=dec, tokens=[r["tokens"] for r in dec],
                    transfers=p.decode.call("take_transfers"))
+        _, late = p.run_concurrent(prompts, late=True)
+        out["late"] = {"decode": late, "tokens": [r["tokens"] for r in late]}
     if negative is not None:
         out["negative"] = _negative(p, negative, "concurrent")
     return out

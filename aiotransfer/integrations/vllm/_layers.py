@@ -9,6 +9,8 @@ Plain Python, no vLLM import.
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import AsyncIterator
 
 from ..._deadline import within
 from ...errors import AiotransferError, TransferTimeout
@@ -17,19 +19,21 @@ __all__ = ["ForwardPass"]
 
 
 class ForwardPass:
-    """The layers one forward pass has written. :meth:`written`, :meth:`over` and :meth:`abandon` are
-    called from vLLM's thread; :meth:`layer` and :meth:`finished` are awaited on ``loop``."""
+    """The layers one forward pass has written, in the order it wrote them. :meth:`written`, :meth:`over`
+    and :meth:`abandon` are called from vLLM's thread; :meth:`layers` and :meth:`finished` run on ``loop``."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, num_layers: int) -> None:
         self._loop = loop
-        self._layers = [asyncio.Event() for _ in range(num_layers)]
+        self._num_layers = num_layers
+        self._order: list[int] = []  # layers written so far, in the order they were
+        self._progress = asyncio.Event()  # replaced by a fresh one each time a layer is written
         self._over = asyncio.Event()
         self._abandoned: str | None = None
 
     # -- vLLM's thread -----------------------------------------------------------------------------
     def written(self, layer: int) -> None:
         """Layer ``layer``'s KV is in its blocks."""
-        self._loop.call_soon_threadsafe(self._layers[layer].set)
+        self._loop.call_soon_threadsafe(self._add, layer)
 
     def over(self) -> None:
         """The pass has ended: every layer's KV is in its blocks (a layer that was never reported too)."""
@@ -40,29 +44,48 @@ class ForwardPass:
         it fail with ``reason`` rather than send blocks that may not hold their KV."""
         self._loop.call_soon_threadsafe(self._end, reason)
 
+    def _add(self, layer: int) -> None:
+        if not self._over.is_set() and 0 <= layer < self._num_layers and layer not in self._order:
+            self._order.append(layer)
+            self._progress.set()
+            self._progress = asyncio.Event()
+
     def _end(self, abandoned: str | None) -> None:
         if self._over.is_set():
             return
+        if abandoned is None:
+            self._order += [layer for layer in range(self._num_layers) if layer not in self._order]
         self._abandoned = abandoned
         self._over.set()
-        for event in self._layers:
-            event.set()
+        self._progress.set()
 
     # -- the loop thread ---------------------------------------------------------------------------
-    async def layer(self, layer: int, timeout: float) -> None:
-        """Until layer ``layer`` is written (or the pass is over); raises if it was abandoned, or after
-        ``timeout`` seconds."""
-        await self._wait(self._layers[layer], timeout, f"layer {layer} of the forward pass")
+    async def layers(self, timeout: float) -> AsyncIterator[int]:
+        """Each layer as soon as it is written (every layer, once the pass is over); raises if the pass is
+        abandoned, or when the whole pass has not ended within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while True:
+            while seen < len(self._order):
+                seen += 1
+                yield self._order[seen - 1]
+            if self._abandoned is not None:
+                raise AiotransferError(self._abandoned)
+            if self._over.is_set():
+                return
+            await self._wait(self._progress, deadline - time.monotonic(), "the forward pass")
 
     async def finished(self, timeout: float) -> None:
         """Until the pass is over; raises if it was abandoned, or after ``timeout`` seconds."""
         await self._wait(self._over, timeout, "the forward pass")
-
-    async def _wait(self, event: asyncio.Event, timeout: float, what: str) -> None:
-        if not event.is_set():
-            try:
-                await within(event.wait(), max(timeout, 0.0))
-            except asyncio.TimeoutError:
-                raise TransferTimeout(f"{what} did not end within {timeout:.3g} s") from None
         if self._abandoned is not None:
             raise AiotransferError(self._abandoned)
+
+    @staticmethod
+    async def _wait(event: asyncio.Event, timeout: float, what: str) -> None:
+        if event.is_set():
+            return
+        try:
+            await within(event.wait(), max(timeout, 0.0))
+        except asyncio.TimeoutError:
+            raise TransferTimeout(f"{what} did not end within {timeout:.3g} s") from None

@@ -290,17 +290,16 @@ class WorkerSide:
         return job.block_ids[len(job.block_ids) - wanted:]
 
     async def _push_layers(self, tx: KVSender, job: SendJob, fwd: ForwardPass) -> None:
-        """Push each layer's blocks as soon as the forward pass has written it: the writes of layer i run
-        while the pass computes layer i + 1, and the last one's completion concludes the room."""
+        """Push each layer's blocks as soon as the forward pass has written it, in the order it writes them:
+        the writes of one layer run while the pass computes the next, and the last one concludes the room."""
         deadline = time.monotonic() + self._config.transfer_timeout
         stream = tx.stream(self._tail(tx, job))
         self.stats["sends_streamed"] += 1
         sends: list[asyncio.Future[None]] = []
         try:
-            for layer in stream.layers:
-                await fwd.layer(layer, deadline - time.monotonic())
-                sends.append(asyncio.ensure_future(
-                    stream.send_layers(layer, timeout=max(deadline - time.monotonic(), 0.001))))
+            async for layer in fwd.layers(deadline - time.monotonic()):
+                send = stream.send_layers(layer, timeout=max(deadline - time.monotonic(), 0.001))
+                sends.append(asyncio.ensure_future(send))  # kept as it starts: a failure later still gathers it
         finally:
             if sends:
                 results = await asyncio.gather(*sends, return_exceptions=True)

@@ -482,7 +482,7 @@ def _table(res: dict[str, Any]) -> str:
 # arguments / entry points
 # ----------------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--suite", choices=("default", "full", "lifecycle", "streaming", "conversion", "vllm"),
+    p.add_argument("--suite", choices=("default", "full", "lifecycle", "streaming", "conversion", "vllm", "sglang"),
                    default="default",
                    help="default: figures (a)-(c) of raw Mooncake vs aiotransfer; full: the performance suite "
                         "(throughput vs size, scattered, loop-lag CDF, concurrency, 4 KiB latency, the floor of a "
@@ -490,7 +490,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "streaming: layer streaming's exposed transfer time; conversion: page-size and layout "
                         "conversion throughput against plain staging; "
                         "vllm: PD through AiotransferConnector vs vLLM's NixlConnector (run with the vLLM "
-                        "venv's Python: bash scripts/vllm-venv.sh)")
+                        "venv's Python: bash scripts/vllm-venv.sh); "
+                        "sglang: SGLang 0.5.23's own transfer layer (prefill -> decode) against aiotransfer -> "
+                        "aiotransfer, interleaved rounds, same geometry (needs bash scripts/interop-venv.sh)")
     p.add_argument("--engine", default="mooncake_tcp", help="Mooncake flavour (default mooncake_tcp)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--repeats", type=int, default=None, help="timed repetitions per figure (default 5; 2 with --quick)")
@@ -524,6 +526,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     full.add_argument("--nixl-progress-delay-us", type=int, default=0, metavar="US",
                       help="TransferConfig.nixl_progress_delay_us of every manager, both sides (default 0: NIXL's "
                            "progress thread polls without pause)")
+    sg = p.add_argument_group("--suite sglang")
+    sg.add_argument("--sizes", default=None,
+                    help="room sizes, comma-separated, of 4K,64K,8M,32M (default all); --repeats gives the rounds "
+                         "(default 5; 2 with --quick)")
+    sg.add_argument("--at-once", type=int, default=None,
+                    help="rooms in flight together in the 'at once' figure (default 64; 16 with --quick)")
     p.add_argument("--role", choices=("prefill", "decode"), default="prefill", help=argparse.SUPPRESS)
 
 
@@ -545,6 +553,10 @@ def run(ns: argparse.Namespace) -> int:
         from .vllm_pd import from_bench_cli
 
         return from_bench_cli(ns)
+    if getattr(ns, "suite", "default") == "sglang":
+        from .sglang.bench import run_sglang
+
+        return run_sglang(ns)
     if getattr(ns, "suite", "default") == "full":
         from .suite.run import run_suite
 

@@ -54,7 +54,8 @@ def from_bench_cli(ns: argparse.Namespace) -> int:
     """``python -m aiotransfer bench --suite vllm [--quick] [--repeats N] [--seed S] [--out JSON]``."""
     from .vllm.bench import DEFAULT_KINDS
 
-    argv = ["bench", "--json", ns.out or "bench-results/vllm.json", "--seed", str(ns.seed), "--kinds", DEFAULT_KINDS]
+    argv = ["bench", "--json", ns.out or "bench-results/vllm.json", "--seed", str(ns.seed), "--kinds", DEFAULT_KINDS,
+            "--omp-split"]
     if ns.quick:
         argv.append("--quick")
     if ns.repeats is not None:
@@ -96,7 +97,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lease", type=float, default=10.0, help="prefill lease (s), both connector families")
     p.add_argument("--policy", choices=("fail", "recompute"), default="fail", help="kv_load_failure_policy")
     p.add_argument("--abort-after-steps", type=int, default=1, help="decode-abort: engine steps before the abort")
-    p.add_argument("--omp-split", action="store_true", help="bind prefill OpenMP to core 0, decode to core 1")
+    p.add_argument("--omp-split", action="store_true",
+                   help="run the prefill engine process on core 0 and the decode's on core 1 (bench: the default)")
     bench = p.add_argument_group("bench")
     bench.add_argument("--tokens", default="1024,4096", help="prompt lengths, comma-separated (default %(default)s)")
     bench.add_argument("--concurrency", default="1,8", help="requests in flight (default %(default)s)")

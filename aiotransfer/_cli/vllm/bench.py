@@ -25,9 +25,14 @@ Per request (p50 and p99 over rounds and requests):
   which under concurrent dispatch spans the prefill's compute; NixlConnector: NIXL's telemetry, post ->
   done).
 
-Ratios are against NixlConnector's serial flow (< 1: faster). The engines share this machine's cores; NIXL's
-UCX progress thread spins a core per engine under NixlConnector and the ``-spin`` kinds (NixlConnector's
-way, the like-for-like comparison), while ``aiotransfer-nixl`` paces it (the connector's default).
+Ratios are against NixlConnector's serial flow (< 1: faster). With ``--omp-split`` (the default of
+``bench --suite vllm``) the prefill engine process runs on core 0 and the decode's on core 1, every thread
+(the single engine: core 0), as if each had its own host: the decode engine's loop, which steps while a
+request waits for its KV, then does not take the prefill's core. vLLM itself moves NIXL's worker thread to
+the last core. NIXL's UCX progress thread spins under NixlConnector and the ``-spin`` kinds (NixlConnector's
+way, the like-for-like comparison), while ``aiotransfer-nixl`` paces it (the connector's default). The
+connector's ``transfer_timeout`` and ``lease`` are 300 s here: under concurrent dispatch the decode's wait
+includes the prefill's compute, which takes tens of seconds for 8 prompts of 4k tokens on this machine.
 """
 
 from __future__ import annotations
@@ -184,7 +189,7 @@ def run_bench(ns: argparse.Namespace, workdir: str) -> int:
     opts = sc.Options(model=model, workdir=workdir, block_size=block_size,
                       max_model_len=min(spec.max_position_embeddings, longest + ns.max_tokens + block_size),
                       kv_cache_bytes=kv_bytes, max_tokens=ns.max_tokens,
-                      transfer_timeout=max(ns.transfer_timeout, 60.0), lease=max(ns.lease, 60.0),
+                      transfer_timeout=max(ns.transfer_timeout, 300.0), lease=max(ns.lease, 300.0),
                       step_timeout=600.0, omp_split=ns.omp_split)
     res: dict[str, Any] = {
         "suite": "vllm", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -229,7 +234,8 @@ def _bench_kind(kind: str, opts: sc.Options, seed: int, sizes: list[int], concs:
         return sc.make_prompts(seed * 100_000 + size * 100 + conc * 10 + r, [size] * conc)
 
     if kind == "single":
-        (eng,) = start_engines([sc.engine_spec(opts, "bench-single", "single", None)])
+        (eng,) = start_engines([sc.engine_spec(opts, "bench-single", "single", None,
+                                               omp_cpu=0 if opts.omp_split else None)])
         try:
             _single_round(eng, warm, opts)
             for size in sizes:

@@ -177,6 +177,8 @@ def _child_main(spec: EngineSpec, conn: Any) -> None:
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     os.environ.update(engine_env(spec))
+    if spec.omp_cpu is not None:  # the whole process, before vLLM starts a thread: its own core, as on its own host
+        os.sched_setaffinity(0, {spec.omp_cpu})
     print(f"[harness] engine {spec.name}: {asdict(spec)}", flush=True)
     try:
         from .server import Server

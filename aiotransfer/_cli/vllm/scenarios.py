@@ -42,7 +42,8 @@ class Options:
     step_timeout: float = 120.0
     """Bound on one generate command (all its requests)."""
     omp_split: bool = False
-    """Bind the prefill's OpenMP threads to core 0 and the decode's to core 1."""
+    """Run the prefill engine process (every thread, OpenMP's included) on core 0 and the decode's on core 1,
+    as if each had its own host (a single engine: core 0)."""
 
 
 def make_prompts(seed: int, lengths: Sequence[int], vocab: int = 1024) -> list[list[int]]:

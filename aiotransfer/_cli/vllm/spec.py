@@ -47,7 +47,8 @@ class EngineSpec:
     lease: float = 10.0
     """aiotransfer ``lease`` / NixlConnector ``kv_lease_duration`` (s)."""
     omp_cpu: int | None = None
-    """``VLLM_CPU_OMP_THREADS_BIND`` (one core), or ``None`` for vLLM's default."""
+    """The one core the engine process runs on (its affinity, set before vLLM starts a thread, and
+    ``VLLM_CPU_OMP_THREADS_BIND``), or ``None`` for any core and vLLM's default binding."""
     env: dict[str, str] = field(default_factory=dict)
 
 

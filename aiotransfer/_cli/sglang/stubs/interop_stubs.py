@@ -1,4 +1,4 @@
-"""Import-time stand-ins for the SGLang interop processes (tests/interop/), nothing else.
+"""Import-time stand-ins for the SGLang interop processes (tests/interop/, bench --suite sglang), nothing else.
 
 ``install()`` puts a meta path finder first on ``sys.meta_path`` that answers every ``torchvision`` and
 ``torchvision.*`` import with an empty package whose ``__version__`` is ``"0.0.0"``. The torchvision wheel
@@ -7,7 +7,7 @@ torchvision only for multimodal models, never for KV transfer. ``IPython.display
 beside this file (sglang.utils imports ``HTML`` and ``display`` from it at module level).
 
 This directory goes first on ``sys.path`` (PYTHONPATH) in the SGLang processes only; ``sitecustomize``
-beside this file calls ``install()`` at interpreter start-up, and tests/interop/sglang_peer.py calls it too.
+beside this file calls ``install()`` at interpreter start-up, and aiotransfer/_cli/sglang/peer.py calls it too.
 """
 
 from __future__ import annotations

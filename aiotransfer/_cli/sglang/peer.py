@@ -1,4 +1,5 @@
-"""SGLang 0.5.23's own Mooncake KV-transfer classes in their own OS process (interop test harness).
+"""SGLang 0.5.23's own Mooncake KV-transfer classes in their own OS process (the interop tests' and
+``bench --suite sglang``'s SGLang side).
 
 Runs with the .interop-venv Python (scripts/interop-venv.sh), never with the project's .venv. Everything
 on the transfer path is SGLang's real, unmodified code: ``MooncakeKVManager``, ``MooncakeKVSender``,
@@ -8,11 +9,12 @@ a tiny Llama config (no model is loaded), the runtime-context publication a sche
 and the buffers that a real KV pool would own.
 
 Usage:
-    .interop-venv/bin/python tests/interop/sglang_peer.py --role prefill|decode --bootstrap-port N
+    .interop-venv/bin/python aiotransfer/_cli/sglang/peer.py --role prefill|decode --bootstrap-port N
         [--tp-size 2 --tp-rank 1] [--no-bootstrap-server] [--layers 8 --page-size 16 --heads 8
         --head-dim 128 --dtype-bytes 2 --pages 256] [--aux 64,64,2048 --aux-slots 16] [--seed N] [--aux-seed N]
 
-Protocol (same shape as tests/peer.py, so tests/remote.py's ``RemotePeer`` drives it): one JSON object per
+Protocol (same shape as tests/peer.py, so tests/remote.py's ``RemotePeer`` and
+:class:`aiotransfer._cli.sglang.PeerProcess` drive it): one JSON object per
 stdin line, ``{"id": n, "op": ..., ...}``; one reply per stdout line, ``{"id": n, "ok": bool, ...}``. The
 first stdout line is a hello ``{"id": 0, "ok": true, "endpoint": ...}`` sent once the manager is up
 (prefill: the bootstrap address ``ip:port``; decode: its own ZMQ PULL endpoint ``ip:port``). Commands run
@@ -303,7 +305,13 @@ class SGLangPeer:
             h.update(np.ascontiguousarray(view[idx, :, head_start:head_start + num_heads, :]).tobytes())
         return {"digest": h.hexdigest()}
 
-    def op_zero(self) -> None:
+    def op_zero(self, pages: list[int] | None = None) -> None:
+        """Zero every KV and aux buffer, or only the KV pages ``pages``."""
+        if pages is not None:
+            idx = torch.as_tensor(pages, dtype=torch.int64)
+            for t in self.kv:
+                t[idx] = 0
+            return
         for t in self.kv + self.aux:
             t.zero_()
 

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 from aiohttp import ClientSession, ClientTimeout, web
@@ -210,7 +211,7 @@ class Pair:
 
 async def dispatch(
     concurrent: bool, pair: Pair, bodies: list[dict[str, object]]
-) -> tuple[list[tuple[int, str]], object]:
+) -> tuple[list[tuple[int, str]], Any]:
     prefill_app, decode_app = web.Application(), web.Application()
     prefill_app.router.add_post("/v1/completions", pair.prefill)
     decode_app.router.add_post("/v1/completions", pair.decode)

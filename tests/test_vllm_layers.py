@@ -21,7 +21,7 @@ from aiotransfer.integrations.vllm._scheduler import Orders, SendJob
 from aiotransfer.integrations.vllm._worker import WorkerSide
 from tests.conftest import ENGINES
 from tests.peer import digest, make_buffers
-from tests.test_vllm_sides import ITEM, PAGES, DecodeWorker, prefill_worker, wait_sent
+from tests.test_vllm_sides import DecodeWorker, prefill_worker, wait_sent, workers
 
 SRC = (50, 51, 52, 53)
 DST = [60, 61, 62, 63]
@@ -54,10 +54,7 @@ def run_pass(prefill: WorkerSide, kv: list[np.ndarray], *, tell_first: bool = Fa
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_room_whose_decode_asked_is_pushed_layer_by_layer_and_ends_before_the_pass(engine: str) -> None:
-    kv = make_buffers(2, PAGES, ITEM, seed=11)
-    prefill = prefill_worker(engine, kv)
-    decode = DecodeWorker(engine)
-    try:
+    with workers(engine, seed=11) as (kv, prefill, decode):
         assert prefill.streams_layers
         asked(prefill, decode, 4001)
         prefill.begin_pass(Orders(send=[SendJob("r4001", 4001, SRC)]))
@@ -71,17 +68,11 @@ def test_a_room_whose_decode_asked_is_pushed_layer_by_layer_and_ends_before_the_
         counts = prefill.counts()
         assert (counts["sends_streamed"], counts["sends_asked_early"], counts["sends_failed"]) == (1, 1, 0), counts
         assert counts["in_flight"] == 0
-    finally:
-        decode.close()
-        prefill.shutdown()
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_negative_control_a_layer_reported_before_it_is_written_lands_stale(engine: str) -> None:
-    kv = make_buffers(2, PAGES, ITEM, seed=12)
-    prefill = prefill_worker(engine, kv)
-    decode = DecodeWorker(engine)
-    try:
+    with workers(engine, seed=12) as (kv, prefill, decode):
         asked(prefill, decode, 4002)
         prefill.begin_pass(Orders(send=[SendJob("r4002", 4002, SRC)]))
         run_pass(prefill, kv, tell_first=True)
@@ -90,17 +81,11 @@ def test_negative_control_a_layer_reported_before_it_is_written_lands_stale(engi
         assert out["digest"] != digest(kv, list(SRC)), "the digest cannot tell a premature push"
         prefill.end_pass()
         wait_sent(prefill, "r4002", 10)
-    finally:
-        decode.close()
-        prefill.shutdown()
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_room_whose_decode_has_not_asked_goes_whole_after_the_pass(engine: str) -> None:
-    kv = make_buffers(2, PAGES, ITEM, seed=13)
-    prefill = prefill_worker(engine, kv)
-    decode = DecodeWorker(engine)
-    try:
+    with workers(engine, seed=13) as (kv, prefill, decode):
         prefill.begin_pass(Orders(send=[SendJob("r4003", 4003, SRC)]))
         run_pass(prefill, kv)
         prefill.end_pass()
@@ -110,17 +95,11 @@ def test_a_room_whose_decode_has_not_asked_goes_whole_after_the_pass(engine: str
         wait_sent(prefill, "r4003", 10)
         counts = prefill.counts()
         assert (counts["sends_streamed"], counts["sends_asked_early"], counts["sends_failed"]) == (0, 0, 0), counts
-    finally:
-        decode.close()
-        prefill.shutdown()
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_pass_that_never_ends_fails_its_rooms_and_both_sides_learn_why(engine: str) -> None:
-    kv = make_buffers(2, PAGES, ITEM, seed=14)
-    prefill = prefill_worker(engine, kv)
-    decode = DecodeWorker(engine)
-    try:
+    with workers(engine, seed=14) as (_, prefill, decode):
         asked(prefill, decode, 4004)
         prefill.begin_pass(Orders(send=[SendJob("r4004", 4004, SRC)]))
         prefill.layer_written("layer.0")
@@ -130,14 +109,11 @@ def test_a_pass_that_never_ends_fails_its_rooms_and_both_sides_learn_why(engine:
         wait_sent(prefill, "r4004", 10)
         counts = prefill.counts()
         assert counts["sends_failed"] == 1 and counts["in_flight"] == 0, counts
-    finally:
-        decode.close()
-        prefill.shutdown()
 
 
-def test_stream_layers_false_sends_every_room_whole_after_the_pass() -> None:
+def test_stream_layers_false_turns_layer_streaming_off() -> None:
     kv = make_buffers(2, 8, 64, seed=15)
-    worker = prefill_worker(ENGINES[0], kv, stream_layers=False)
+    worker = prefill_worker(str(ENGINES[0]), kv, stream_layers=False)
     try:
         assert not worker.streams_layers
     finally:

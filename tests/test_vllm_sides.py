@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -379,6 +380,19 @@ def prefill_worker(engine: str, kv: list[np.ndarray], **extra: Any) -> WorkerSid
     return worker
 
 
+@contextlib.contextmanager
+def workers(engine: str, seed: int, **extra: Any) -> Iterator[tuple[list[np.ndarray], WorkerSide, DecodeWorker]]:
+    """A prefill worker in this process over fresh buffers, and a decode worker in another."""
+    kv = make_buffers(2, PAGES, ITEM, seed=seed)
+    prefill = prefill_worker(engine, kv, **extra)
+    decode = DecodeWorker(engine)
+    try:
+        yield kv, prefill, decode
+    finally:
+        decode.close()
+        prefill.shutdown()
+
+
 def wait_sent(worker: WorkerSide, req_id: str, bound: float) -> float:
     start = time.monotonic()
     while time.monotonic() - start < bound:
@@ -414,10 +428,7 @@ def test_worker_moves_the_prompt_tail_into_the_decode_blocks_byte_exact(engine: 
 def test_a_decode_that_asks_before_the_prompt_is_computed_is_served_when_the_sender_opens(engine: str) -> None:
     """Concurrent dispatch: the decode's request reaches the prefill before the prefill's step computed the
     prompt. The prefill keeps it, and its sender, opened after the forward pass, writes at once."""
-    kv = make_buffers(2, PAGES, ITEM, seed=9)
-    prefill = prefill_worker(engine, kv)
-    decode = DecodeWorker(engine)
-    try:
+    with workers(engine, seed=9) as (kv, prefill, decode):
         src = (30, 31, 32)
         decode.post({"op": "recv", "req": "c1", "room": 3001, "peer": prefill.endpoint, "blocks": [40, 41, 42]})
         deadline = time.monotonic() + 20
@@ -432,9 +443,6 @@ def test_a_decode_that_asks_before_the_prompt_is_computed_is_served_when_the_sen
         counts = prefill.counts()
         assert counts["sends_asked_early"] == 1 and counts["sends_failed"] == 0 and counts["in_flight"] == 0, counts
         assert prefill.manager_stats()["pending_requests"] == 0
-    finally:
-        decode.close()
-        prefill.shutdown()
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -106,7 +106,11 @@ class PrefillClient:
             endpoints.append(ep)
         for ep in endpoints:
             ctx.liveness.activate(ep)
-        registered = await asyncio.gather(*(self.register(ep, deadline) for ep in dict.fromkeys(endpoints)))
+        unique = list(dict.fromkeys(endpoints))
+        # Registered already, the usual case: no task to create, no loop iteration to wait for.
+        registered = [p for ep in unique if (p := self.peers.get(ep)) is not None]
+        if len(registered) != len(unique):
+            registered = list(await asyncio.gather(*(self.register(ep, deadline) for ep in unique)))
         by_ep = {p.endpoint: p for p in registered}
         packed = pack_indices(pages)
         requests = [

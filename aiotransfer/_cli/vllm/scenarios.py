@@ -112,13 +112,14 @@ class Pair:
         endpoint = self.prefill.call("endpoint")
         pairs = [concurrent_params(endpoint, random.randrange(2**63)) for _ in prompts]
         order = list(order) if order is not None else list(range(len(prompts)))
-        prefill_params = [{**PREFILL_PARAMS, **p} for p, _ in pairs]
+        prefill_params: list[dict[str, Any] | None] = [{**PREFILL_PARAMS, **p} for p, _ in pairs]
+        decode_params: list[dict[str, Any] | None] = [pairs[j][1] for j in order]
+        prefilled: list[dict[str, Any]] = []
         if late:
             prefilled = self.generate(self.prefill, prompts, 1, prefill_params, tag="p")
-            return prefilled, self.run_decode(prompts, [pairs[j][1] for j in order], **decode_kw)
-        prefilled: list[dict[str, Any]] = []
+            return prefilled, self.run_decode(prompts, decode_params, **decode_kw)
         with ThreadPoolExecutor(1) as pool:
-            decoded = pool.submit(self.run_decode, prompts, [pairs[j][1] for j in order], **decode_kw)
+            decoded = pool.submit(self.run_decode, prompts, decode_params, **decode_kw)
             deadline = time.monotonic() + self.opts.transfer_timeout
             while ask_first and not decoded.done() and time.monotonic() < deadline:
                 if self.prefill.call("stats")["pending_requests"] >= len(prompts):

@@ -15,7 +15,9 @@ Scenarios (:mod:`aiotransfer._cli.vllm.scenarios`):
 * ``negative``     -- ``pd`` reduced to the negative control (decode over another request's KV);
 * ``kill-prefill`` -- the prefill is SIGKILLed after its outputs, before the decode runs (``--policy``);
 * ``decode-abort`` -- the decode aborts a request while its KV loads; every block must come back;
-* ``bench``        -- TTFT, end-to-end and transfer time per connector kind (:mod:`aiotransfer._cli.vllm.bench`).
+* ``bench``        -- TTFT, end-to-end and transfer time per connector kind (:mod:`aiotransfer._cli.vllm.bench`);
+* ``router``       -- TTFT through ``examples/vllm_pd_proxy.py`` in front of vLLM's OpenAI servers, serial
+                      against ``--concurrent`` (:mod:`aiotransfer._cli.vllm.router`).
 
 Connector kinds: ``single``, ``nixl`` (vLLM's NixlConnector), ``aiotransfer-mooncake`` and
 ``aiotransfer-nixl`` (AiotransferConnector over Mooncake TCP / NIXL), ``aiotransfer-nixl-spin`` (over NIXL
@@ -70,7 +72,7 @@ def _lengths(text: str) -> list[int]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m aiotransfer._cli.vllm_pd",
                                 description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("scenario", choices=("single", "pd", "negative", "kill-prefill", "decode-abort", "bench"))
+    p.add_argument("scenario", choices=("single", "pd", "negative", "kill-prefill", "decode-abort", "bench", "router"))
     p.add_argument("--json", dest="out", default=None, help="write the results here (JSON)")
     p.add_argument("--workdir", default=None, help="model, engine logs (default: a new temporary directory)")
     p.add_argument("--kinds", default="nixl,aiotransfer-mooncake,aiotransfer-nixl,aiotransfer-nixl-spin",
@@ -104,6 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--concurrency", default="1,8", help="requests in flight (default %(default)s)")
     bench.add_argument("--repeats", type=int, default=None, help="rounds per concurrency (default 3; 1 with --quick)")
     bench.add_argument("--quick", action="store_true", help="256-token prompts, 1 and 4 in flight")
+    bench.add_argument("--engine", default="mooncake_tcp", help="router: the connector's engine (default %(default)s)")
     return p
 
 
@@ -128,9 +131,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"unknown connector kind {k!r}; expected one of {KINDS}", file=sys.stderr)
             return 2
     if ns.block_size is None and ns.model == "llama":
-        ns.block_size = 128 if ns.scenario == "bench" else 32
+        ns.block_size = 128 if ns.scenario in ("bench", "router") else 32
     workdir = ns.workdir or tempfile.mkdtemp(prefix="aiotransfer-vllm-")
     os.makedirs(workdir, exist_ok=True)
+    if ns.scenario == "router":
+        from .vllm.router import run_router_bench
+
+        return run_router_bench(ns, workdir)
     if ns.scenario == "bench":
         if ns.model != "llama":
             print("bench: only --model llama", file=sys.stderr)

@@ -134,6 +134,22 @@ def test_bench_quick_writes_three_figures(tmp_path: Path) -> None:
     assert "ratio" in proc.stdout
 
 
+def test_bench_sglang_without_the_interop_venv_says_how_to_build_it(tmp_path: Path) -> None:
+    env = dict(os.environ, MC_LOG_LEVEL="ERROR", AIOTRANSFER_INTEROP_VENV=str(tmp_path / "missing"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "aiotransfer", "bench", "--suite", "sglang", "--quick"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "bash scripts/interop-venv.sh" in proc.stderr
+
+
+def test_bench_sglang_rejects_an_unknown_size() -> None:
+    proc = _run("bench", "--suite", "sglang", "--sizes", "3K", timeout=60)
+    assert proc.returncode == 2
+    assert "4K, 64K, 8M, 32M" in proc.stderr
+
+
 # ----------------------------------------------------------------------------------------------------
 # helpers, in-process
 # ----------------------------------------------------------------------------------------------------

@@ -1,34 +1,34 @@
 """Interop tests against unmodified SGLang 0.5.23 (see docs/sglang-wire.md).
 
 SGLang runs in its own processes with the .interop-venv Python (built by scripts/interop-venv.sh), driven by
-tests/interop/sglang_peer.py over the same JSON-line protocol as tests/peer.py, through tests/remote.py's
+aiotransfer/_cli/sglang/peer.py over the same JSON-line protocol as tests/peer.py, through tests/remote.py's
 ``RemotePeer``. Nothing here imports SGLang: this package is imported by the project's own test run.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import socket
 from typing import Any
 
+from aiotransfer._cli import sglang as _sglang
+from aiotransfer._cli.sglang import SGLANG_VERSION, interop_venv_problem
 from tests.remote import RemotePeer
+
+__all__ = [
+    "BASELINE_AUX",
+    "BASELINE_GEOMETRY",
+    "ROOT",
+    "SGLANG_VERSION",
+    "SGLangRemote",
+    "free_port",
+    "interop_venv_problem",
+    "start_sglang_peer",
+]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-SGLANG_PEER = os.path.join(HERE, "sglang_peer.py")
-INTEROP_VENV = os.environ.get("AIOTRANSFER_INTEROP_VENV", os.path.join(ROOT, ".interop-venv"))
-INTEROP_PYTHON = os.path.join(INTEROP_VENV, "bin", "python")
-SGLANG_VERSION = "0.5.23"
-
-
-def interop_venv_problem() -> str | None:
-    """Why the interop tests can't run here, or None when .interop-venv is usable."""
-    if not os.path.exists(INTEROP_PYTHON):
-        return (f"{INTEROP_VENV} is missing: build it with `bash scripts/interop-venv.sh` "
-                f"(SGLang {SGLANG_VERSION} on CPU torch, ~2 GB, a few minutes)")
-    return None
 
 
 def free_port() -> int:
@@ -48,40 +48,13 @@ class SGLangRemote(RemotePeer):
 async def start_sglang_peer(
     role: str, bootstrap_port: int, *, timeout: float = 120.0, env: dict[str, str] | None = None, **opts: Any
 ) -> SGLangRemote:
-    """Start tests/interop/sglang_peer.py (SGLang's real classes) and return a ``RemotePeer`` for it.
+    """Start aiotransfer/_cli/sglang/peer.py (SGLang's real classes) and return a ``RemotePeer`` for it.
 
-    ``opts`` become command-line flags (``tp_size=2`` -> ``--tp-size 2``; ``True`` -> a bare flag, ``False``
-    or None -> omitted). ``env`` adds to the environment, e.g. ``{"SGLANG_MOONCAKE_SEND_AUX_TCP": "1"}``.
-    The peer's ``endpoint`` is the bootstrap address (prefill) or its ZMQ PULL endpoint (decode); the rest
-    of its hello line is in ``peer.hello``.
+    See :func:`aiotransfer._cli.sglang.start_sglang_peer` for ``opts`` and ``env``. The peer's ``endpoint``
+    is the bootstrap address (prefill) or its ZMQ PULL endpoint (decode); the rest of its hello line is in
+    ``peer.hello``.
     """
-    argv = [INTEROP_PYTHON, SGLANG_PEER, "--role", role, "--bootstrap-port", str(bootstrap_port)]
-    for k, v in opts.items():
-        if v is None or v is False:
-            continue
-        flag = "--" + k.replace("_", "-")
-        argv += [flag] if v is True else [flag, str(v)]
-    full_env = dict(os.environ, **(env or {}))
-    # The project's own venv must not leak into SGLang's interpreter.
-    for k in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):
-        full_env.pop(k, None)
-    proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=full_env
-    )
-    assert proc.stdout is not None
-    try:
-        line = await asyncio.wait_for(proc.stdout.readline(), timeout)
-    except asyncio.TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise
-    if not line:
-        raise RuntimeError(f"SGLang {role} peer exited early (rc={await proc.wait()})")
-    hello = json.loads(line)
-    if not hello.get("ok"):
-        await proc.wait()
-        raise RuntimeError(f"SGLang {role} peer failed to start: {hello.get('error')}: {hello.get('reason')}\n"
-                           f"{hello.get('trace', '')}")
+    proc, hello = await _sglang.start_sglang_peer(role, bootstrap_port, timeout=timeout, env=env, **opts)
     return SGLangRemote(proc, hello)
 
 

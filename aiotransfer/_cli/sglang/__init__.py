@@ -133,7 +133,7 @@ class PeerProcess:
 
 
 async def start_peer(
-    argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float = 120.0, what: str = "peer"
+    argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float = 300.0, what: str = "peer"
 ) -> tuple[asyncio.subprocess.Process, dict[str, Any]]:
     """Start a peer process and read its hello line; returns ``(process, hello)``. A peer that fails to
     start (``ok: false`` hello, early exit, no hello within ``timeout``) raises ``RuntimeError``."""
@@ -178,7 +178,7 @@ async def start_sglang_peer(
     role: str,
     bootstrap_port: int,
     *,
-    timeout: float = 120.0,
+    timeout: float = 300.0,
     env: Mapping[str, str] | None = None,
     **opts: Any,
 ) -> tuple[asyncio.subprocess.Process, dict[str, Any]]:

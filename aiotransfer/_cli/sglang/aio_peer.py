@@ -163,7 +163,7 @@ async def _serve(ns: argparse.Namespace, chan: Channel) -> None:
         kv = make_buffers(2 * ns.layers, ns.pages, item_len, ns.seed)  # before any manager runs
         args = KVArgs(kv, page_size=ns.page_size, dtype="auto")
         mgr = await asyncio.wait_for(
-            KVManager(args, TransferConfig(engine=ns.engine, hostname=ns.host, staging=os.environ.get("XSTAGING", "auto"))).start(), 60
+            KVManager(args, TransferConfig(engine=ns.engine, hostname=ns.host)).start(), 60
         )
     except Exception as exc:
         await reply(

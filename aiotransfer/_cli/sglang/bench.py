@@ -1,10 +1,11 @@
 """``aiotransfer bench --suite sglang``: SGLang 0.5.23's own transfer layer against aiotransfer, one run.
 
-Four processes, started once: an SGLang prefill and an SGLang decode (SGLang's unmodified Mooncake classes,
+Four processes per geometry: an SGLang prefill and an SGLang decode (SGLang's unmodified Mooncake classes,
 :mod:`aiotransfer._cli.sglang.peer`, under the interop venv's Python), and an aiotransfer prefill and
 decode (:mod:`aiotransfer._cli.sglang.aio_peer`, engine ``mooncake_tcp``). Both pairs hold the same KV
-geometry (:data:`GEOMETRY`: SGLang's MHA layout, 8 layers x K/V, 1 KV head x 128 dims in bf16, 1-token
-pages: 4 KiB per token over 16 buffers) and are driven by the same commands in the same order:
+geometry (:data:`GEOMETRIES`, SGLang's MHA layout: 4 KiB and 64 KiB rooms in K and V of one layer, the
+fewest entries a room can have; 8 MiB and 32 MiB rooms in the 16 buffers of an 8-layer model; one set of four
+processes per geometry) and are driven by the same commands in the same order:
 
 * a room: the decode's receiver asks (metadata) for a contiguous run of pages, the prefill's sender waits
   until it is ready, the decode starts waiting, then the prefill sends the room's pages; the room's latency
@@ -40,20 +41,27 @@ import numpy as np
 
 from . import SGLANG_VERSION, PeerProcess, interop_venv_problem, start_peer, start_sglang_peer
 
-__all__ = ["GEOMETRY", "SIZES", "Plan", "run_sglang"]
+__all__ = ["GEOMETRIES", "SIZES", "Plan", "page_bytes", "run_sglang", "table"]
 
 KIB, MIB = 1024, 1024 * 1024
-GEOMETRY: dict[str, int] = {"layers": 8, "page_size": 1, "heads": 1, "head_dim": 128, "dtype_bytes": 2}
-PAGE_BYTES = (
-    2
-    * GEOMETRY["layers"]
-    * GEOMETRY["page_size"]
-    * GEOMETRY["heads"]
-    * GEOMETRY["head_dim"]
-    * (GEOMETRY["dtype_bytes"])
-)
-"""Bytes of one page over every buffer (4 KiB)."""
+GEOMETRIES: dict[str, dict[str, int]] = {
+    # The fewest engine entries a room of SGLang's MHA layout can have (K and V of one layer): the fixed
+    # cost of a room. One 16-token page of 1 KV head x 64 dims in bf16 is 2 KiB per buffer, 4 KiB a page.
+    "small": {"layers": 1, "page_size": 16, "heads": 1, "head_dim": 64, "dtype_bytes": 2},
+    # tests/interop's BASELINE_GEOMETRY: 8 layers x K/V, 8 KV heads x 128 dims in bf16, 16-token pages:
+    # 512 KiB a page over 16 buffers; a 1,024-token request is 32 MiB.
+    "large": {"layers": 8, "page_size": 16, "heads": 8, "head_dim": 128, "dtype_bytes": 2},
+}
 SIZES: dict[str, int] = {"4K": 4 * KIB, "64K": 64 * KIB, "8M": 8 * MIB, "32M": 32 * MIB}
+SIZE_GEOMETRY = {"4K": "small", "64K": "small", "8M": "large", "32M": "large"}
+
+
+def page_bytes(geometry: dict[str, int]) -> int:
+    """Bytes of one page over every buffer."""
+    g = geometry
+    return 2 * g["layers"] * g["page_size"] * g["heads"] * g["head_dim"] * g["dtype_bytes"]
+
+
 SRC_POOL_BYTES = 256 * MIB
 """The prefill pools' size (at least one room): rooms of a batch read the pool's blocks in turn."""
 SETTLE = 0.02
@@ -98,22 +106,24 @@ def _parse_size(text: str) -> str:
 # ----------------------------------------------------------------------------------------------------
 # the processes
 # ----------------------------------------------------------------------------------------------------
-def _pools(plan: Plan) -> tuple[int, int]:
-    """Pages of the prefill pools and of the decode pools (the same on both stacks)."""
-    biggest = max(SIZES[s] for s in plan.sizes) // PAGE_BYTES
+def _pools(plan: Plan, geometry: str) -> tuple[int, int]:
+    """Pages of the prefill pools and of the decode pools of a geometry (the same on both stacks)."""
+    pb = page_bytes(GEOMETRIES[geometry])
+    biggest = max(SIZES[s] for s in plan.sizes if SIZE_GEOMETRY[s] == geometry) // pb
     dst_pages = biggest * plan.at_once
-    return max(biggest, min(dst_pages, SRC_POOL_BYTES // PAGE_BYTES)), dst_pages
+    return max(biggest, min(dst_pages, SRC_POOL_BYTES // pb)), dst_pages
 
 
-async def _start(plan: Plan) -> tuple[Stack, Stack]:
-    src_pages, dst_pages = _pools(plan)
+async def _start(plan: Plan, geometry: str) -> tuple[Stack, Stack]:
+    src_pages, dst_pages = _pools(plan, geometry)
+    geom = GEOMETRIES[geometry]
     port = _free_port()
-    sg_geom: dict[str, Any] = {**GEOMETRY, "aux": "", "aux_slots": 1}
+    sg_geom: dict[str, Any] = {**geom, "aux": "", "aux_slots": 1}
     aio = [
         sys.executable,
         "-m",
         "aiotransfer._cli.sglang.aio_peer",
-        *itertools.chain.from_iterable(("--" + k.replace("_", "-"), str(v)) for k, v in GEOMETRY.items()),
+        *itertools.chain.from_iterable(("--" + k.replace("_", "-"), str(v)) for k, v in geom.items()),
     ]
     env = dict(os.environ, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"))
     started = await asyncio.gather(
@@ -155,8 +165,8 @@ async def _close(*stacks: Stack) -> None:
 def _layout(size: str, n: int, plan: Plan) -> list[tuple[list[int], list[int]]]:
     """(source pages, destination pages) of ``n`` rooms: contiguous runs, the decode's blocks in reverse
     order (so source and destination offsets differ), the prefill's pool read block after block."""
-    tokens = SIZES[size] // PAGE_BYTES
-    src_pages, dst_pages = _pools(plan)
+    tokens = SIZES[size] // page_bytes(GEOMETRIES[SIZE_GEOMETRY[size]])
+    src_pages, dst_pages = _pools(plan, SIZE_GEOMETRY[size])
     src_blocks, dst_blocks = src_pages // tokens, dst_pages // tokens
     out = []
     for j in range(n):
@@ -260,7 +270,9 @@ def _ms(xs: Sequence[float]) -> dict[str, Any]:
 def _summarise(raw: dict[str, dict[str, dict[str, list[dict[str, Any]]]]], plan: Plan) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for size in plan.sizes:
-        row: dict[str, Any] = {"bytes": SIZES[size], "pages": SIZES[size] // PAGE_BYTES}
+        geometry = SIZE_GEOMETRY[size]
+        pages = SIZES[size] // page_bytes(GEOMETRIES[geometry])
+        row: dict[str, Any] = {"bytes": SIZES[size], "geometry": geometry, "pages": pages}
         for mode in ("one", "at_once"):
             m: dict[str, Any] = {}
             for name in ("sglang", "aiotransfer"):
@@ -305,26 +317,31 @@ def _targets(figures: dict[str, Any], at_once: int) -> list[dict[str, Any]]:
 async def _bench(plan: Plan) -> dict[str, Any]:
     t0 = time.perf_counter()
     load0 = list(os.getloadavg())
-    print(f"starting SGLang {SGLANG_VERSION} and aiotransfer peers ...", file=sys.stderr, flush=True)
-    stacks = await _start(plan)
-    raw: dict[str, Any] = {
-        s: {m: {st.name: [] for st in stacks} for m in ("one", "at_once")} for s in plan.sizes
-    }
-    try:
-        for size in plan.sizes:  # warm-up: one room of each size on each stack, not counted
-            for st in stacks:
-                await _run_rooms(st, _layout(size, 1, plan), plan.timeout)
-        blocks = itertools.count()
-        for r in range(plan.rounds):
-            last = r == plan.rounds - 1
-            for size in plan.sizes:
-                for mode in ("one", "at_once"):
-                    order = stacks if next(blocks) % 2 == 0 else stacks[::-1]
-                    for st in order:
-                        raw[size][mode][st.name].append(await _block(st, size, mode, plan, last))
-            print(f"  round {r + 1}/{plan.rounds} done", file=sys.stderr, flush=True)
-    finally:
-        await _close(*stacks)
+    names = ("sglang", "aiotransfer")
+    raw: dict[str, Any] = {s: {m: {n: [] for n in names} for m in ("one", "at_once")} for s in plan.sizes}
+    for geometry in dict.fromkeys(SIZE_GEOMETRY[s] for s in plan.sizes):
+        sizes = [s for s in plan.sizes if SIZE_GEOMETRY[s] == geometry]
+        print(
+            f"{geometry} geometry ({', '.join(sizes)}): starting SGLang {SGLANG_VERSION} and aiotransfer peers ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        stacks = await _start(plan, geometry)
+        try:
+            for size in sizes:  # warm-up: one room of each size on each stack, not counted
+                for st in stacks:
+                    await _run_rooms(st, _layout(size, 1, plan), plan.timeout)
+            blocks = itertools.count()
+            for r in range(plan.rounds):
+                last = r == plan.rounds - 1
+                for size in sizes:
+                    for mode in ("one", "at_once"):
+                        order = stacks if next(blocks) % 2 == 0 else stacks[::-1]
+                        for st in order:
+                            raw[size][mode][st.name].append(await _block(st, size, mode, plan, last))
+                print(f"  round {r + 1}/{plan.rounds} done", file=sys.stderr, flush=True)
+        finally:
+            await _close(*stacks)
     figures = _summarise(raw, plan)
     return {
         "suite": "sglang",
@@ -340,7 +357,9 @@ async def _bench(plan: Plan) -> dict[str, Any]:
             "sglang": f"SGLang {SGLANG_VERSION} prefill -> SGLang decode (Mooncake TCP, 127.0.0.1)",
             "aiotransfer": "aiotransfer prefill -> aiotransfer decode (engine mooncake_tcp, 127.0.0.1)",
         },
-        "geometry": {**GEOMETRY, "page_bytes_all_buffers": PAGE_BYTES},
+        "geometries": {
+            k: {**g, "page_bytes": page_bytes(g), "buffers": 2 * g["layers"]} for k, g in GEOMETRIES.items()
+        },
         "plan": asdict(plan),
         "definition": "room latency: the decode's first sight of Success minus the prefill's send call, "
         "CLOCK_MONOTONIC in both peers; at once: rooms x bytes / (last Success - first send), "
@@ -430,10 +449,6 @@ def table(res: dict[str, Any]) -> str:
 
 def run_sglang(ns: argparse.Namespace) -> int:
     """Entry point of ``python -m aiotransfer bench --suite sglang``; returns the exit code."""
-    problem = interop_venv_problem()
-    if problem is not None:
-        print(f"aiotransfer bench --suite sglang: {problem}", file=sys.stderr)
-        return 2
     try:
         sizes = [_parse_size(x) for x in (ns.sizes or ",".join(SIZES)).split(",") if x.strip()]
     except ValueError as exc:
@@ -449,6 +464,10 @@ def run_sglang(ns: argparse.Namespace) -> int:
     )
     if plan.rounds < 1 or plan.at_once < 1 or not sizes:
         print("aiotransfer bench: --repeats, --at-once and --sizes must be >= 1", file=sys.stderr)
+        return 2
+    problem = interop_venv_problem()
+    if problem is not None:
+        print(f"aiotransfer bench --suite sglang: {problem}", file=sys.stderr)
         return 2
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     try:

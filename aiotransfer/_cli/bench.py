@@ -497,7 +497,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--repeats", type=int, default=None, help="timed repetitions per figure (default 5; 2 with --quick)")
     p.add_argument("--quick", action="store_true",
-                   help="CI mode: 2 repeats, 1 request in (c); with --suite full: smaller sizes and counts (~30 s)")
+                   help="CI mode: 2 repeats, 1 request in (c); with --suite full: smaller sizes and counts (~30 s); "
+                        "with --suite sglang: 2 rounds, 4 rooms one at a time and 16 at once")
     p.add_argument("--figures", default="a,b,c", help="which figures to run (default a,b,c)")
     p.add_argument("--size-mib", type=int, default=256, help="(a) contiguous size in MiB (default 256)")
     p.add_argument("--pages", type=int, default=10_000, help="(b) number of 4 KiB pages (default 10000)")

@@ -9,17 +9,15 @@ from typing import Any
 
 __all__ = ["KINDS", "EngineSpec", "engine_env", "kv_transfer_config"]
 
-KINDS = ("single", "nixl", "aiotransfer-mooncake", "aiotransfer-nixl", "aiotransfer-nixl-spin",
-         "aiotransfer-nixl-spin-whole")
+_AIOTRANSFER_KINDS = ("aiotransfer-mooncake", "aiotransfer-nixl", "aiotransfer-nixl-spin")
+KINDS = ("single", "nixl", *_AIOTRANSFER_KINDS, *(f"{k}-whole" for k in _AIOTRANSFER_KINDS))
 """``single``: no connector; ``nixl``: vLLM's NixlConnector; ``aiotransfer-*``: AiotransferConnector
 (``aiotransfer-nixl-spin``: over NIXL with UCX's progress thread spinning, as NixlConnector runs it,
 instead of the connector's paced default; ``-whole``: without layer streaming, ``stream_layers=False``)."""
 
 _AIOTRANSFER_ENGINE = {"aiotransfer-mooncake": "mooncake_tcp", "aiotransfer-nixl": "nixl",
-                       "aiotransfer-nixl-spin": "nixl", "aiotransfer-nixl-spin-whole": "nixl"}
-_AIOTRANSFER_TRANSFER: dict[str, dict[str, Any]] = {"aiotransfer-nixl-spin": {"nixl_progress_delay_us": 0},
-                                                    "aiotransfer-nixl-spin-whole": {"nixl_progress_delay_us": 0}}
-_AIOTRANSFER_EXTRA: dict[str, dict[str, Any]] = {"aiotransfer-nixl-spin-whole": {"stream_layers": False}}
+                       "aiotransfer-nixl-spin": "nixl"}
+_AIOTRANSFER_TRANSFER: dict[str, dict[str, Any]] = {"aiotransfer-nixl-spin": {"nixl_progress_delay_us": 0}}
 _ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
@@ -62,13 +60,14 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
         return {"kv_connector": "NixlConnector", "kv_role": _ROLES[spec.role], "kv_buffer_device": "cpu",
                 "kv_load_failure_policy": spec.failure_policy,
                 "kv_connector_extra_config": {"kv_lease_duration": max(1, int(spec.lease))}}
-    if spec.kind in _AIOTRANSFER_ENGINE:
+    base = spec.kind.removesuffix("-whole")
+    if base in _AIOTRANSFER_ENGINE:
         return {"kv_connector": "AiotransferConnector", "kv_connector_module_path": "aiotransfer.integrations.vllm",
                 "kv_role": _ROLES[spec.role], "kv_load_failure_policy": spec.failure_policy,
-                "kv_connector_extra_config": {"engine": _AIOTRANSFER_ENGINE[spec.kind],
+                "kv_connector_extra_config": {"engine": _AIOTRANSFER_ENGINE[base],
                                               "transfer_timeout": spec.transfer_timeout, "lease": spec.lease,
-                                              "transfer": _AIOTRANSFER_TRANSFER.get(spec.kind, {}),
-                                              **_AIOTRANSFER_EXTRA.get(spec.kind, {})}}
+                                              "transfer": _AIOTRANSFER_TRANSFER.get(base, {}),
+                                              "stream_layers": spec.kind == base}}
     raise ValueError(f"unknown connector kind {spec.kind!r}; expected one of {KINDS}")
 
 

@@ -153,3 +153,11 @@ async def test_an_abandoned_pass_fails_its_rooms_and_a_silent_one_times_out() ->
     with pytest.raises(TransferTimeout, match="did not end within"):
         async for _ in silent.layers(0.05):
             pass
+
+
+def test_a_pass_told_after_the_connector_closed_its_loop_does_not_fail_vllms_forward() -> None:
+    loop = asyncio.new_event_loop()
+    fwd = ForwardPass(loop, 2)
+    loop.close()
+    fwd.written(0)  # no RuntimeError("Event loop is closed") into vLLM's save_kv_layer
+    fwd.over()

@@ -100,8 +100,9 @@ def run_router_bench(ns: argparse.Namespace, workdir: str) -> int:
     concs = [1, 4] if ns.quick else [int(c) for c in ns.concurrency.split(",") if c]
     repeats = ns.repeats if ns.repeats is not None else (1 if ns.quick else 3)
     longest = max(sizes)
-    spec = dataclasses.replace(BENCH, max_position_embeddings=max(2048, longest + ns.max_tokens + 64))
     block = ns.block_size
+    max_len = longest + ns.max_tokens + block
+    spec = dataclasses.replace(BENCH, max_position_embeddings=max(2048, max_len))
     need = max(concs) * -(-(longest + ns.max_tokens) // block) * spec.block_bytes(block)
     kv_bytes = max(128 << 20, (need * 2 + (1 << 20) - 1) // (1 << 20) << 20)
     model = make_tiny_llama(os.path.join(workdir, "router-model"), seed=ns.model_seed, spec=spec)
@@ -115,6 +116,7 @@ def run_router_bench(ns: argparse.Namespace, workdir: str) -> int:
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", PYTHONPATH=ROOT)
     ports = {name: _free_port() for name in ("prefill", "decode", "serial", "concurrent")}
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+    servers: dict[str, subprocess.Popen[bytes]] = {}
     with contextlib.ExitStack() as stack:
         for cpu, (name, role) in enumerate((("prefill", "kv_producer"), ("decode", "kv_consumer"))):
             ktc = {"kv_connector": "AiotransferConnector", "kv_connector_module_path": "aiotransfer.integrations.vllm",
@@ -123,10 +125,10 @@ def run_router_bench(ns: argparse.Namespace, workdir: str) -> int:
             cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                    "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(ports[name]),
                    "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32", "--max-model-len",
-                   str(longest + ns.max_tokens + block), "--block-size", str(block), "--kv-cache-memory-bytes",
+                   str(max_len), "--block-size", str(block), "--kv-cache-memory-bytes",
                    str(kv_bytes), "--kv-transfer-config", json.dumps(ktc)]
-            stack.enter_context(_process(cmd, os.path.join(workdir, f"{name}.log"),
-                                         {**env, "VLLM_CPU_OMP_THREADS_BIND": str(cpu)}, cpu))
+            servers[name] = stack.enter_context(_process(cmd, os.path.join(workdir, f"{name}.log"),
+                                                         {**env, "VLLM_CPU_OMP_THREADS_BIND": str(cpu)}, cpu))
         for mode in ("serial", "concurrent"):
             cmd = [sys.executable, os.path.join(ROOT, "examples", "vllm_pd_proxy.py"), "--port", str(ports[mode]),
                    "--prefill", urls["prefill"], "--decode", urls["decode"], "--timeout", "600"]
@@ -136,8 +138,8 @@ def run_router_bench(ns: argparse.Namespace, workdir: str) -> int:
         for name, path in (("prefill", "/health"), ("decode", "/health"), ("serial", "/healthz"),
                            ("concurrent", "/healthz")):
             while _get(urls[name] + path) != 200:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{name} not ready; logs in {workdir}")
+                if time.monotonic() > deadline or any(p.poll() is not None for p in servers.values()):
+                    raise RuntimeError(f"{name} not ready (or a server exited); logs in {workdir}")
                 time.sleep(0.5)
         res["ready_s"] = time.monotonic() - t0
         rng = random.Random(ns.seed)

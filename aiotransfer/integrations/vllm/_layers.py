@@ -9,8 +9,10 @@ Plain Python, no vLLM import.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from ..._deadline import within
 from ...errors import AiotransferError, TransferTimeout
@@ -33,16 +35,22 @@ class ForwardPass:
     # -- vLLM's thread -----------------------------------------------------------------------------
     def written(self, layer: int) -> None:
         """Layer ``layer``'s KV is in its blocks."""
-        self._loop.call_soon_threadsafe(self._add, layer)
+        self._tell(self._add, layer)
 
     def over(self) -> None:
         """The pass has ended: every layer's KV is in its blocks (a layer that was never reported too)."""
-        self._loop.call_soon_threadsafe(self._end, None)
+        self._tell(self._end, None)
 
     def abandon(self, reason: str) -> None:
         """The pass will not complete (vLLM began another step without ending this one): rooms waiting on
         it fail with ``reason`` rather than send blocks that may not hold their KV."""
-        self._loop.call_soon_threadsafe(self._end, reason)
+        self._tell(self._end, reason)
+
+    def _tell(self, fn: Callable[[Any], None], arg: Any) -> None:
+        # A connector shutting down closes the loop under a pass still running: its rooms have failed
+        # already, and vLLM's forward pass must not fail for it.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(fn, arg)
 
     def _add(self, layer: int) -> None:
         if not self._over.is_set() and 0 <= layer < self._num_layers and layer not in self._order:

@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import datetime
 import itertools
-import json
 import os
 import platform
 import socket
@@ -39,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from ..files import write_json
 from . import SGLANG_VERSION, PeerProcess, interop_venv_problem, start_peer, start_sglang_peer
 
 __all__ = ["GEOMETRIES", "SIZES", "Plan", "page_bytes", "run_sglang", "table"]
@@ -479,11 +479,7 @@ def run_sglang(ns: argparse.Namespace) -> int:
         return 1
     print(table(res))
     out = ns.out or "bench-results/sglang.json"
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out + ".tmp", "w") as fh:
-        json.dump(res, fh, indent=1)
-        fh.write("\n")
-    os.replace(out + ".tmp", out)
+    write_json(out, res)
     print(f"results written to {out}")
     bad = any(
         row[m][n]["bad_rooms"]

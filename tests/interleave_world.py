@@ -68,7 +68,7 @@ class SkewLoop(asyncio.SelectorEventLoop):
         return self._origin + (time.monotonic() - self._origin) / self.SLOW + self.skew
 
 
-class _QuickContext(zmq.asyncio.Context):
+class _QuickContext(zmq.Context):
     """ZeroMQ sockets that reconnect to a restarted peer within milliseconds (the default waits 100 ms),
     so that what a step sends has arrived when the step ends."""
 
@@ -191,8 +191,8 @@ class World:
         self.rids = iter(range(1, 1 << 30))
         self.fabric.owner = self._owner
         registry.register_engine(ENGINE, lambda config: FakeEngine(self.fabric))
-        self._context = zmq.asyncio.Context
-        zmq.asyncio.Context = _QuickContext  # type: ignore[misc]
+        self._context = zmq.Context
+        zmq.Context = _QuickContext  # type: ignore[misc]
 
     # -- running -------------------------------------------------------------------------------
     def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
@@ -341,7 +341,7 @@ class World:
         finally:
             self.loop.close()
             registry._ENGINES.pop(ENGINE, None)
-            zmq.asyncio.Context = self._context  # type: ignore[misc]
+            zmq.Context = self._context  # type: ignore[misc]
 
     def alive(self, name: str) -> bool:
         return any(n.name == name for n in self.nodes.values())

@@ -24,15 +24,15 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Any, cast
+from typing import Any
 
 import zmq
-import zmq.asyncio
 from zmq.utils import z85
 
 from .._deadline import reap, within
 from ..errors import ClosedError, PeerError, ProtocolError, TransferTimeout
 from .messages import Message, RankRegister, decode, encode
+from .sockets import OrderedSender, Watch
 
 __all__ = ["ControlPlane", "ReplayGuard", "curve_keys", "normalize_endpoint", "signed_frames"]
 
@@ -156,15 +156,15 @@ class ControlPlane:
             raise ValueError("connection authentication (curve) derives its keys from the shared secret: set hmac_key")
         self._curve = curve_keys(hmac_key) if curve and hmac_key is not None else None
         """(public, secret) CurveZMQ keys of every manager sharing the secret, or None."""
-        self._ctx: zmq.asyncio.Context | None = None
+        self._ctx: zmq.Context[Any] | None = None
         self._hostname = hostname
         self._port = port
         self._handler = handler
         self._max_sockets = max_sockets
         self._max_bytes = max_message_bytes
         self._key = hmac_key
-        self._pull: zmq.asyncio.Socket | None = None
-        self._out: OrderedDict[str, zmq.asyncio.Socket] = OrderedDict()
+        self._pull: zmq.Socket[Any] | None = None
+        self._out: OrderedDict[str, OrderedSender] = OrderedDict()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self.dropped: Counter[str] = Counter()
@@ -180,7 +180,7 @@ class ControlPlane:
         assembled; False only to show what the bound prevents."""
 
     async def start(self) -> None:
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         self._ctx.setsockopt(zmq.LINGER, 0)
         pull = self._ctx.socket(zmq.PULL)
         pull.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + FRAME_OVERHEAD)  # per frame: see _recv_message
@@ -198,14 +198,14 @@ class ControlPlane:
         self._task = asyncio.get_running_loop().create_task(self._recv_loop(), name="aiotransfer-control")
 
     # -- outbound -------------------------------------------------------------------------------
-    def _socket(self, endpoint: str) -> zmq.asyncio.Socket:
-        sock = self._out.get(endpoint)
-        if sock is not None:
+    def _socket(self, endpoint: str) -> OrderedSender:
+        out = self._out.get(endpoint)
+        if out is not None:
             self._out.move_to_end(endpoint)
-            return sock
+            return out
         while len(self._out) >= self._max_sockets:
             _, old = self._out.popitem(last=False)
-            old.close(linger=0)
+            old.sock.close(linger=0)
             self.evicted += 1
         if self._ctx is None:
             raise ClosedError("control plane is not started")
@@ -217,8 +217,8 @@ class ControlPlane:
             sock.curve_serverkey = self._curve[0]
             sock.curve_publickey, sock.curve_secretkey = self._curve
         sock.connect(endpoint)
-        self._out[endpoint] = sock
-        return sock
+        out = self._out[endpoint] = OrderedSender(sock)
+        return out
 
     def frames(self, msg: Message, destination: str) -> list[bytes]:
         """The frames of ``msg`` for ``destination``; signed for that destination only when a key is set."""
@@ -239,21 +239,20 @@ class ControlPlane:
     async def send_frames(
         self, endpoint: str, frames: list[bytes], *, timeout: float, yield_cpu: bool = False
     ) -> None:
-        """Queue one multipart message; pyzmq tries a non-blocking send first, and only a full peer queue
-        makes this wait (bounded by ``timeout``; the message is withdrawn on expiry)."""
+        """Queue one multipart message without waiting when it can; only a full peer queue (or earlier
+        messages to the same peer still waiting for room) makes this wait, bounded by ``timeout``, and the
+        message is withdrawn on expiry."""
         if self._closed:
             raise ClosedError("control plane is closed")
-        fut = cast("asyncio.Future[Any]", self._socket(endpoint).send_multipart(frames))
-        if fut.done():
-            if yield_cpu and fut.exception() is None:
-                _sched_yield()
-        else:
-            done, _ = await asyncio.wait({fut}, timeout=timeout)
-            if not done:
-                fut.cancel()
-                raise TransferTimeout(f"control message to {endpoint} not accepted within {timeout}s")
+        out = self._socket(endpoint)
         try:
-            fut.result()
+            if out.try_send(frames):
+                if yield_cpu:
+                    _sched_yield()
+            else:
+                await out.send(frames, timeout)
+        except asyncio.TimeoutError:
+            raise TransferTimeout(f"control message to {endpoint} not accepted within {timeout}s") from None
         except zmq.ZMQError as exc:
             raise PeerError(f"cannot send to {endpoint}: {exc}") from exc
         self.sent += 1
@@ -267,11 +266,10 @@ class ControlPlane:
         sleeps. On a host with few cores the woken thread is often queued on this very CPU."""
         if self._closed:
             return False
-        fut = cast("asyncio.Future[Any]", self._socket(endpoint).send_multipart(self.frames(msg, endpoint)))
-        if not fut.done():
-            fut.cancel()  # withdrawn: the caller sends it the ordinary way
-            return False
-        if fut.exception() is not None:
+        try:
+            if not self._socket(endpoint).try_send(self.frames(msg, endpoint)):
+                return False  # the caller sends it the ordinary way
+        except zmq.ZMQError:
             return False
         self.sent += 1
         if yield_cpu:
@@ -279,9 +277,9 @@ class ControlPlane:
         return True
 
     def forget(self, endpoint: str) -> None:
-        sock = self._out.pop(endpoint, None)
-        if sock is not None:
-            sock.close(linger=0)
+        out = self._out.pop(endpoint, None)
+        if out is not None:
+            out.sock.close(linger=0)
 
     @property
     def open_sockets(self) -> int:
@@ -322,19 +320,24 @@ class ControlPlane:
             raise ProtocolError("replayed message")
         return msg
 
-    async def _recv_message(self, pull: zmq.asyncio.Socket, more: zmq.Socket[Any]) -> list[bytes] | None:
+    async def _recv_message(self, pull: zmq.Socket[Any], readable: Watch) -> list[bytes] | None:
         """The frames of one inbound message, or None when it broke the whole-message bound (counted).
 
         libzmq hands a multipart message over only once all its frames are in; the rest of the frames are
         therefore read without waiting, and past the bound they are released one by one, never copied."""
-        first: bytes = await pull.recv()
+        while True:
+            try:
+                first: bytes = pull.recv(zmq.NOBLOCK)
+                break
+            except zmq.Again:
+                await readable.wait()
         frames, total, cause = [first], len(first), ""
         budget, bounded = self._max_bytes + FRAME_OVERHEAD, self.whole_message_bound
-        while more.get(zmq.RCVMORE):
+        while pull.get(zmq.RCVMORE):
             if cause:
-                total += len(more.recv(zmq.NOBLOCK, copy=False))
+                total += len(pull.recv(zmq.NOBLOCK, copy=False))
                 continue
-            frame: bytes = more.recv(zmq.NOBLOCK)
+            frame: bytes = pull.recv(zmq.NOBLOCK)
             total += len(frame)
             frames.append(frame)
             if bounded and (len(frames) > MAX_FRAMES or total > budget):
@@ -348,10 +351,17 @@ class ControlPlane:
     async def _recv_loop(self) -> None:
         assert self._pull is not None
         pull = self._pull
-        more: zmq.Socket[Any] = zmq.Socket.shadow(pull.underlying)  # the rest of a message: read synchronously
+        readable = Watch(pull, zmq.POLLIN)
+        readable.start()
+        try:
+            await self._recv_messages(pull, readable)
+        finally:
+            readable.stop()
+
+    async def _recv_messages(self, pull: zmq.Socket[Any], readable: Watch) -> None:
         while True:
             try:
-                frames = await self._recv_message(pull, more)
+                frames = await self._recv_message(pull, readable)
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError as exc:
@@ -378,8 +388,7 @@ class ControlPlane:
             except Exception:
                 self.dropped["handler-error"] += 1
                 log.exception("control handler failed on %s", type(msg).__name__)
-            # Let the tasks this message woke (a done() waiter...) run before the next receive: re-arming a
-            # pyzmq receive processes libzmq's command mailbox, which costs tens of microseconds.
+            # Let the tasks this message woke (a done() waiter...) run before the next receive.
             await asyncio.sleep(0)
 
     def _drop(self, cause: str, exc: BaseException) -> None:
@@ -397,8 +406,8 @@ class ControlPlane:
         self._closed = True
         if self._task is not None:
             await reap(self._task, 1.0)
-        for sock in self._out.values():
-            sock.close(linger=int(linger * 1000))
+        for out in self._out.values():
+            out.sock.close(linger=int(linger * 1000))
         self._out.clear()
         if self._pull is not None:
             self._pull.close(linger=0)

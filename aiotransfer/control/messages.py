@@ -12,6 +12,7 @@ import msgspec
 import numpy as np
 
 from ..errors import ProtocolError
+from ..plan import bounds
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -400,6 +401,6 @@ def pack_indices(indices: np.ndarray) -> bytes:
 
 def unpack_indices(data: bytes) -> np.ndarray:
     arr = np.frombuffer(data, dtype=_INDEX_DTYPE).astype(np.int64)
-    if arr.size and int(arr.min()) < 0:
+    if arr.size and bounds(arr)[0] < 0:
         raise ProtocolError("negative page index in transfer request")
     return arr

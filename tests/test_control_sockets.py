@@ -32,10 +32,9 @@ def pair() -> Iterator[tuple[zmq.Socket[Any], zmq.Socket[Any]]]:
 async def _drain(pull: zmq.Socket[Any], n: int, timeout: float = 10.0) -> list[bytes]:
     watch = Watch(pull, zmq.POLLIN)
     out: list[bytes] = []
-    async with asyncio.timeout(timeout):
-        while len(out) < n:
-            await watch.wait()
-            out.append(pull.recv(zmq.NOBLOCK))
+    while len(out) < n:
+        await watch.wait(timeout)
+        out.append(pull.recv(zmq.NOBLOCK))
     return out
 
 

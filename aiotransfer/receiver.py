@@ -16,7 +16,7 @@ from ._kv.ledger import Ledger
 from ._kv.notify import Notifier
 from ._kv.room import RoomSide, decode_reason
 from .errors import InvalidArgument, PeerError, TransferFailed, TransferTimeout
-from .plan import as_index_array, check_range, check_unique
+from .plan import as_index_array, bounds, check_range, check_unique
 from .status import KVPoll
 
 __all__ = ["KVReceiver", "decode_reason"]
@@ -118,7 +118,7 @@ class KVReceiver(RoomSide):
         pages = as_index_array(kv_indices, what="kv_indices")
         check_range(pages, ctx.args.num_pages, what="kv_indices")
         check_unique(pages, what="kv_indices")
-        if pages.size and int(pages.max()) >= 2**31:
+        if pages.size and bounds(pages)[1] >= 2**31:
             raise InvalidArgument("kv_indices must fit in int32")
         if num_tokens is not None:
             size = ctx.args.page_size

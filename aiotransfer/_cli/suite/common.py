@@ -98,6 +98,9 @@ class Params:
     floor_rounds: int = 10
     floor_reps: int = 20
     """``floor``: rounds of every measurement (a random order each), and repetitions of each per round."""
+    floor_gap: float = 0.001
+    """``floor``: seconds of idle before each repetition (round trip, raw write, room). Longer gaps let the
+    CPUs fall idle between rooms, as they do between the requests of a lightly loaded server."""
     aux_reps: int = 300
     aux_bytes: int = 4 * KIB
     tp_tokens: int = 4096
@@ -128,7 +131,7 @@ class Params:
 
 def make_params(*, quick: bool, tiny: bool, repeats: int | None, seed: int, host: str,
                 phases: Sequence[str] | None, tp_split_credits: bool = True, engine_threads: str = "normal",
-                nixl_progress_delay_us: int = 0) -> Params:
+                nixl_progress_delay_us: int = 0, floor_gap: float | None = None) -> Params:
     if tiny:
         p = Params(
             scale="tiny", repeats=1, sizes=[64 * KIB, MIB], sizes_nixl_tcp=[MIB], scattered_pages=512,
@@ -153,6 +156,8 @@ def make_params(*, quick: bool, tiny: bool, repeats: int | None, seed: int, host
     p.engine_threads = engine_threads
     p.nixl_progress_delay_us = nixl_progress_delay_us
     p.tp_split_credits = tp_split_credits
+    if floor_gap is not None:
+        p.floor_gap = floor_gap
     return p
 
 

@@ -2,8 +2,8 @@
 
 A room's floor is one control message from the decode to the prefill (the metadata), the engine write,
 and one message back (``Success``): one ZeroMQ round trip plus one raw write. In the same two processes,
-in blocks, round after round, each round in a new random order, with 1 ms between repetitions (as in
-``e2e``):
+in blocks, round after round, each round in a new random order, with an idle gap before every repetition
+(``--floor-gap``, 1 ms by default, as in ``e2e``):
 
 * ``zmq``: a :class:`~aiotransfer.control.messages.Ping` from a
   :class:`~aiotransfer.control.endpoint.ControlPlane` in the decode worker to one in the prefill worker,
@@ -47,8 +47,6 @@ __all__ = ["PATH", "SIDE", "SIZES", "STAGES", "DecodeFloor", "breakdown", "phase
 
 SIZES = (4 * KIB, 64 * KIB, MIB)
 PAGE = 4 * KIB
-GAP = 0.001
-"""Seconds between repetitions (a room is measured alone, after an idle gap)."""
 STEP_TIMEOUT = 60.0
 """Bound on one room, one round trip or one block of them."""
 WARM = 10
@@ -295,14 +293,14 @@ async def phase_floor(ctx: Ctx) -> dict[str, Any]:
         async def zmq(n: int, yield_cpu: bool) -> list[int]:
             echo.yield_cpu = yield_cpu
             return list((await ctx.dec.call("floor_rtt", timeout=STEP_TIMEOUT + n, peer=echo.plane.endpoint, n=n,
-                                            gap=GAP))["ns"])
+                                            gap=p.floor_gap))["ns"])
 
         async def raw_writes(n: int, size: int) -> list[int]:
             out = []
             for _ in range(n):
                 s = await ctx.off(raw.latency, f.src_base, f.dst_base, size, timeout=STEP_TIMEOUT)
                 out.append(int(s * 1e9))
-                await asyncio.sleep(GAP)
+                await asyncio.sleep(p.floor_gap)
             return out
 
         async def rooms(n: int, size: int, trace: bool) -> list[int]:
@@ -325,7 +323,7 @@ async def phase_floor(ctx: Ctx) -> dict[str, Any]:
             try:
                 _, res = await asyncio.gather(serve(), ctx.dec.call(
                     "floor_rooms", timeout=STEP_TIMEOUT + 2 * n, name="floor", peer=mgr.endpoint, rooms=ids,
-                    dst=list(range(npg)), gap=GAP, trace=trace))
+                    dst=list(range(npg)), gap=p.floor_gap, trace=trace))
             finally:
                 rec = _trace.stop() if trace else None
             if trace:
@@ -364,7 +362,7 @@ async def phase_floor(ctx: Ctx) -> dict[str, Any]:
         await ctx.verify("floor", tag, np.arange(pages), what="floor (raw and rooms)")
         await ctx.dec.call("floor_close")
         res: dict[str, Any] = {
-            "clock": clock, "gap_s": GAP, "rounds": p.floor_rounds, "reps_per_round": p.floor_reps,
+            "clock": clock, "gap_s": p.floor_gap, "rounds": p.floor_rounds, "reps_per_round": p.floor_reps,
             "page_bytes": PAGE,
             "zmq_rtt": summary_us(samples["zmq"]), "zmq_rtt_yield": summary_us(samples["zmq_yield"]),
             "sizes": {},

@@ -75,7 +75,10 @@ def table(res: dict[str, Any]) -> str:
     if not _floors(res):
         return ""
     figures, stages, threads = _rows(res)
-    return "\n".join(["The floor of a small room (median / p90 in us; floor = ZMQ round trip + raw write, medians)",
+    gaps = sorted({float(r.get("gap_s", 0.001)) for _, r in _floors(res)})
+    gap = "/".join(f"{g * 1e3:g}" for g in gaps)
+    return "\n".join([f"The floor of a small room (median / p90 in us; floor = ZMQ round trip + raw write, medians; "
+                       f"{gap} ms idle before each repetition)",
                       *_text(figures), "", "Stages of the traced rooms (median / p90 in us)", *_text(stages), "",
                       "Thread wake-ups per room (untraced rooms, both processes)", *_text(threads)])
 

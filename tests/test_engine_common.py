@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aiotransfer.config import TransferConfig
 from aiotransfer.engines import mooncake as mc
@@ -241,3 +243,37 @@ def test_mooncake_registers_gpu_memory_at_its_device() -> None:
     """Regions on a GPU are registered at ``cuda:N`` (Mooncake's location name); host memory at ``*``."""
     assert [mc.memory_location(d) for d in ("cuda:0", "cuda:3", "cuda", "cpu", "npu:1")] == [
         "cuda:0", "cuda:3", "cuda:0", "*", "*"]
+
+
+# -- NIXL descriptors ----------------------------------------------------------------------------------
+
+
+def _descriptors_or_error(build: Any) -> Any:
+    try:
+        kind, arr = build()
+    except EngineError as exc:
+        return ("error", str(exc))
+    return kind, arr.tolist()
+
+
+@given(
+    regions=st.lists(st.tuples(st.integers(1, 64), st.integers(0, 1)), min_size=1, max_size=6),
+    picks=st.lists(st.tuples(st.integers(0, 1 << 14), st.integers(1, 4096)), min_size=1, max_size=8),
+)
+@settings(max_examples=300, deadline=None)
+def test_nixl_few_entry_descriptors_equal_the_vectorised_ones(
+    regions: list[tuple[int, int]], picks: list[tuple[int, int]]
+) -> None:
+    """A write of up to eight entries has its descriptors built in plain Python: the same rows, memory type
+    and errors (an address outside every region, DRAM mixed with VRAM) as the NumPy path."""
+    from aiotransfer.engines import nixl
+
+    rows, base = [], 1 << 20
+    for pages, vram in regions:  # regions with gaps between them, some of them VRAM
+        rows.append((base, pages * 256, vram, 3 if vram else 0))
+        base += pages * 256 + 512
+    table = nixl._RegionTable(rows)
+    addrs = np.array([(1 << 20) + off for off, _ in picks], dtype=np.uint64)
+    lengths = np.array([n for _, n in picks], dtype=np.uint64)
+    few = _descriptors_or_error(lambda: table.few_descs(addrs.tolist(), lengths.tolist(), "source"))
+    assert few == _descriptors_or_error(lambda: nixl._descs_vectorised(table, addrs, lengths, "source"))

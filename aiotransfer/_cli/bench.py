@@ -527,6 +527,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     full.add_argument("--nixl-progress-delay-us", type=int, default=0, metavar="US",
                       help="TransferConfig.nixl_progress_delay_us of every manager, both sides (default 0: NIXL's "
                            "progress thread polls without pause)")
+    full.add_argument("--no-yield-after-notify", action="store_true",
+                      help="TransferConfig.yield_after_notify=False for every manager, both sides")
     full.add_argument("--floor-gap", type=float, default=None, metavar="SECONDS",
                       help="floor phase: idle time before each repetition (default 0.001)")
     sg = p.add_argument_group("--suite sglang")

@@ -116,13 +116,16 @@ class Params:
     """``TransferConfig.engine_threads`` of every manager of the run, on both sides."""
     nixl_progress_delay_us: int = 0
     """``TransferConfig.nixl_progress_delay_us`` of every manager of the run, on both sides."""
+    yield_after_notify: bool = True
+    """``TransferConfig.yield_after_notify`` of every manager of the run, on both sides."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
 
     def manager_config(self) -> dict[str, Any]:
         """``TransferConfig`` fields every manager of the run gets, on both sides."""
-        return {"engine_threads": self.engine_threads, "nixl_progress_delay_us": self.nixl_progress_delay_us}
+        return {"engine_threads": self.engine_threads, "nixl_progress_delay_us": self.nixl_progress_delay_us,
+                "yield_after_notify": self.yield_after_notify}
 
     @classmethod
     def from_json(cls, text: str) -> Params:
@@ -131,7 +134,8 @@ class Params:
 
 def make_params(*, quick: bool, tiny: bool, repeats: int | None, seed: int, host: str,
                 phases: Sequence[str] | None, tp_split_credits: bool = True, engine_threads: str = "normal",
-                nixl_progress_delay_us: int = 0, floor_gap: float | None = None) -> Params:
+                nixl_progress_delay_us: int = 0, floor_gap: float | None = None,
+                yield_after_notify: bool = True) -> Params:
     if tiny:
         p = Params(
             scale="tiny", repeats=1, sizes=[64 * KIB, MIB], sizes_nixl_tcp=[MIB], scattered_pages=512,
@@ -155,6 +159,7 @@ def make_params(*, quick: bool, tiny: bool, repeats: int | None, seed: int, host
     p.phases = list(phases) if phases else None
     p.engine_threads = engine_threads
     p.nixl_progress_delay_us = nixl_progress_delay_us
+    p.yield_after_notify = yield_after_notify
     p.tp_split_credits = tp_split_credits
     if floor_gap is not None:
         p.floor_gap = floor_gap

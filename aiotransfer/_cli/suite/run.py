@@ -126,7 +126,8 @@ def run_suite(ns: argparse.Namespace) -> int:
         params = make_params(quick=ns.quick, tiny=ns.tiny, repeats=ns.repeats_given, seed=ns.seed, host=ns.host,
                              phases=phases, tp_split_credits=not ns.tp_library_credits,
                              engine_threads=ns.engine_threads,
-                             nixl_progress_delay_us=ns.nixl_progress_delay_us, floor_gap=ns.floor_gap)
+                             nixl_progress_delay_us=ns.nixl_progress_delay_us, floor_gap=ns.floor_gap,
+                             yield_after_notify=not ns.no_yield_after_notify)
         try:
             res = asyncio.run(_suite_main(params, engines, ns.quick or ns.tiny))
         except KeyboardInterrupt:

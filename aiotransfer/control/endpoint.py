@@ -244,13 +244,9 @@ class ControlPlane:
         message is withdrawn on expiry."""
         if self._closed:
             raise ClosedError("control plane is closed")
-        out = self._socket(endpoint)
         try:
-            if out.try_send(frames):
-                if yield_cpu:
-                    _sched_yield()
-            else:
-                await out.send(frames, timeout)
+            if await self._socket(endpoint).send(frames, timeout) and yield_cpu:
+                _sched_yield()
         except asyncio.TimeoutError:
             raise TransferTimeout(f"control message to {endpoint} not accepted within {timeout}s") from None
         except zmq.ZMQError as exc:

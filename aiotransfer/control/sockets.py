@@ -102,21 +102,22 @@ class OrderedSender:
             return False
         return True
 
-    async def send(self, frames: list[bytes], timeout: float) -> None:
+    async def send(self, frames: list[bytes], timeout: float) -> bool:
         """Queue ``frames``, waiting at most ``timeout`` seconds for room behind earlier messages; on expiry
-        :class:`asyncio.TimeoutError`, and nothing of the message was queued."""
+        :class:`asyncio.TimeoutError`, and nothing of the message was queued. True when it went at once."""
         if self.try_send(frames):
-            return
+            return True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         turn: asyncio.Future[None] = loop.create_future()
         self._queue.append(turn)
         try:
             if self._queue[0] is not turn:
-                await within(asyncio.shield(turn), max(deadline - loop.time(), 0.0))
+                await within(turn, max(deadline - loop.time(), 0.0))  # set by the send before it
             watch = Watch(self.sock, zmq.POLLOUT)
             while not self._send_now(frames):
                 await watch.wait(max(deadline - loop.time(), 0.0))
+            return False
         finally:
             first = self._queue[0] is turn
             self._queue.remove(turn)

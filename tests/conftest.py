@@ -15,13 +15,13 @@ from tests.peer import digest, make_buffers
 from tests.remote import RemotePeer
 
 
-def _nixl_available() -> bool:
-    return importlib.util.find_spec("nixl_cu12") is not None or importlib.util.find_spec("nixl") is not None
+def nixl_available() -> bool:
+    return any(importlib.util.find_spec(m) is not None for m in ("nixl_cu12", "nixl_cu13", "nixl"))
 
 
 ENGINES = [
     "mooncake_tcp",
-    pytest.param("nixl", marks=pytest.mark.skipif(not _nixl_available(), reason="nixl not installed")),
+    pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl not installed")),
 ]
 
 GEOMETRY: dict[str, Any] = {"buffers": 4, "pages": 256, "item_len": 4096}

@@ -4,7 +4,6 @@ re-plot path, and the pure pieces (targets, byte patterns) in-process."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,15 +17,12 @@ import pytest
 from aiotransfer._cli.suite import report
 from aiotransfer._cli.suite.common import ALL_PHASES, ENGINES, aux_pattern, make_params, tp_bad_pages, tp_fill
 from aiotransfer._cli.workload import KVPool
+from tests.conftest import nixl_available
 
 ROOT = Path(__file__).resolve().parent.parent
 PLOTS = {"bench-throughput.png", "bench-scattered.png", "bench-loop-lag.png", "bench-concurrency.png",
          "bench-latency-4k.png", "bench-aux.png", "bench-tp.png", "bench-engines.png"}
 FIGURES = {"throughput", "scattered", "loop_lag", "concurrency", "latency_4k", "aux", "tp", "engines"}
-
-
-def _nixl() -> bool:
-    return importlib.util.find_spec("nixl_cu12") is not None or importlib.util.find_spec("nixl") is not None
 
 
 def _bench(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -49,13 +45,13 @@ def test_full_suite_tiny_writes_json_and_plots(tiny_run: tuple[Path, dict[str, A
     d, res, stdout = tiny_run
     assert {"suite", "params", "machine", "ceilings", "engines", "figures", "targets", "images"} <= set(res)
     assert res["suite"] == "full" and res["params"]["scale"] == "tiny"
-    expected = {"mooncake_tcp"} | ({"nixl_shm", "nixl_tcp"} if _nixl() else set())
+    expected = {"mooncake_tcp"} | ({"nixl_shm", "nixl_tcp"} if nixl_available() else set())
     assert set(res["engines"]) == expected
     for key, eng in res["engines"].items():
         assert set(eng["phases"]) == set(ENGINES[key].phases), key
         for phase, r in eng["phases"].items():
             assert "error" not in r, (key, phase, r.get("error"))
-    if _nixl():
+    if nixl_available():
         assert res["engines"]["nixl_tcp"]["ucx_tls"] == "tcp"
         assert res["engines"]["nixl_shm"]["ucx_tls"] is None
     c = res["ceilings"]

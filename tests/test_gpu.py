@@ -6,16 +6,18 @@ Skipped where ``torch.cuda.is_available()`` is false. The decode runs in its own
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
 from aiotransfer import KVArgs, KVManager, TransferConfig
-from tests.conftest import expected_digest
+from tests.conftest import expected_digest, nixl_available
 from tests.peer import make_buffers
 from tests.remote import RemotePeer
 
@@ -39,10 +41,6 @@ def _mooncake_cuda() -> bool:
     return False
 
 
-def _nixl() -> bool:
-    return importlib.util.find_spec("nixl_cu12") is not None or importlib.util.find_spec("nixl") is not None
-
-
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU: torch.cuda.is_available() is false here"),
@@ -52,7 +50,7 @@ DEVICE = "cuda:0"
 
 
 @pytest.fixture(params=[  # without a GPU, the GPU is the reason given
-    pytest.param("nixl", marks=pytest.mark.skipif(_cuda() and not _nixl(), reason="nixl not installed")),
+    pytest.param("nixl", marks=pytest.mark.skipif(_cuda() and not nixl_available(), reason="nixl not installed")),
     pytest.param("mooncake_tcp", marks=pytest.mark.skipif(
         _cuda() and not _mooncake_cuda(), reason="needs a CUDA build of Mooncake: pip install 'aiotransfer[mooncake]'")),
 ])
@@ -162,3 +160,99 @@ async def test_nvlink_aux_on_the_device_moves_on_the_engine_path(gpu_engine: str
             assert got == expected_digest([aux_host], [2])
     finally:
         await decode.close()
+
+
+# -- the CUDA stream ordering of the torch copier ----------------------------------------------------------
+SPIN_CYCLES = 1_000_000_000
+"""``torch.cuda._sleep`` cycles: about half a second at the GPU's clock."""
+
+
+@contextlib.contextmanager
+def _unordered(self: Any) -> Iterator[None]:
+    """The copier's copies on its stream with no ordering at all: the negative control."""
+    import torch
+
+    with torch.cuda.stream(torch.cuda.Stream(self.device)):
+        yield
+
+
+def _pair_configs(engine: str, decode_arena: int) -> tuple[TransferConfig, TransferConfig]:
+    common: dict[str, Any] = {"engine": engine, "device_id": 0, "staging": "always", "handshake_timeout": 30.0}
+    return TransferConfig(**common, staging_bytes=1 << 20), TransferConfig(**common, staging_bytes=decode_arena)
+
+
+async def _staged_room(engine: str, kv_p: list[Any], kv_d: list[Any], pages: list[int], decode_arena: int,
+                       before_send: Any = None) -> None:
+    cfg_p, cfg_d = _pair_configs(engine, decode_arena)
+    async with KVManager(KVArgs(kv_p, page_size=16, dtype="uint8"), cfg_p) as mp, \
+            KVManager(KVArgs(kv_d, page_size=16, dtype="uint8"), cfg_d) as md:
+        tx, rx = mp.sender(1), md.receiver(1, mp.endpoint)
+        await rx.send_metadata(pages, timeout=30)
+        await tx.wait_ready(timeout=30)
+        if before_send is not None:
+            before_send()
+        await tx.send_kv(pages, timeout=60)
+        await tx.done(timeout=60)
+        await rx.done(timeout=60)
+        assert mp.stats().get("staged_pieces", 0) > 0, mp.stats()
+
+
+@pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "negative-control"])
+async def test_a_gather_reads_the_kv_only_after_the_default_stream_and_ends_before_the_engine_reads(
+    gpu_engine: str, ordered: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The KV is written on the default stream behind half a second of spinning, and sent at once: the
+    staged bytes are the new ones only if the gather waits for the default stream and completes before
+    the engine reads the arena. Without the ordering (the negative control) the old bytes arrive."""
+    import torch
+
+    from aiotransfer._torch_staging import TorchCopier
+
+    if not ordered:
+        monkeypatch.setattr(TorchCopier, "_copying", _unordered)
+    kv_p = [torch.zeros((64, 4096), dtype=torch.uint8, device=DEVICE) for _ in range(2)]
+    kv_d = [torch.zeros((64, 4096), dtype=torch.uint8, device=DEVICE) for _ in range(2)]
+    torch.cuda.synchronize()
+
+    def write_kv_late() -> None:
+        torch.cuda._sleep(SPIN_CYCLES)  # the default stream is busy (a forward pass, say)
+        for b in kv_p:
+            b.fill_(0x5A)  # the KV the engine must send, ready only after it
+
+    pages = list(range(64))
+    await _staged_room(gpu_engine, kv_p, kv_d, pages, 4 << 20, before_send=write_kv_late)
+    torch.cuda.synchronize()
+    arrived = all(bool((b == 0x5A).all()) for b in kv_d)
+    assert arrived == ordered
+
+
+@pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "negative-control"])
+async def test_a_scatter_is_complete_before_its_arena_space_is_granted_again(
+    gpu_engine: str, ordered: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every scatter on the decode starts behind 20 ms of spinning on its stream, and the decode's arena
+    holds four pieces, so 32 pieces reuse its space eight times: the pages are right only if a scatter has
+    read its piece before the space is granted to the next one. Without the ordering they are not."""
+    import torch
+
+    from aiotransfer import _torch_staging
+    from aiotransfer._torch_staging import TorchCopier
+
+    scatter = _torch_staging.scatter_pages_torch
+
+    def slow_scatter(*args: Any) -> None:
+        torch.cuda._sleep(SPIN_CYCLES // 25)  # on the copier's stream, ahead of the copies
+        scatter(*args)
+
+    monkeypatch.setattr(_torch_staging, "scatter_pages_torch", slow_scatter)
+    if not ordered:
+        monkeypatch.setattr(TorchCopier, "_copying", _unordered)
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    kv_p = [torch.randint(0, 256, (64, 4096), dtype=torch.uint8, device=DEVICE, generator=gen) for _ in range(2)]
+    kv_d = [torch.zeros((64, 4096), dtype=torch.uint8, device=DEVICE) for _ in range(2)]
+    torch.cuda.synchronize()
+    pages = list(range(64))
+    await _staged_room(gpu_engine, kv_p, kv_d, pages, 64 << 10)  # pieces of 2 pages x 2 buffers
+    torch.cuda.synchronize()
+    intact = all(bool(torch.equal(p, d)) for p, d in zip(kv_p, kv_d, strict=True))
+    assert intact == ordered

@@ -18,7 +18,7 @@ from aiotransfer import (
     TransferTimeout,
     _threads,
 )
-from tests.conftest import GEOMETRY, _nixl_available, expected_digest
+from tests.conftest import GEOMETRY, expected_digest, nixl_available
 from tests.remote import RemoteError, RemotePeer
 
 PAGES = GEOMETRY["pages"]
@@ -426,7 +426,7 @@ async def test_engine_threads_background_idles_only_the_engines_native_threads(e
         await decode.close()
 
 
-@pytest.mark.skipif(not _nixl_available(), reason="nixl not installed")
+@pytest.mark.skipif(not nixl_available(), reason="nixl not installed")
 async def test_nixl_with_a_sleeping_progress_thread_moves_bytes_between_processes() -> None:
     """``nixl_progress_delay_us``: the UCX progress thread sleeps between polls on both sides; connection
     set-up and writes still complete, byte for byte."""

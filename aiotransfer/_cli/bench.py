@@ -482,7 +482,8 @@ def _table(res: dict[str, Any]) -> str:
 # arguments / entry points
 # ----------------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--suite", choices=("default", "full", "lifecycle", "streaming", "conversion", "vllm", "sglang"),
+    p.add_argument("--suite", choices=("default", "full", "lifecycle", "streaming", "conversion", "vllm", "sglang",
+                                        "device"),
                    default="default",
                    help="default: figures (a)-(c) of raw Mooncake vs aiotransfer; full: the performance suite "
                         "(throughput vs size, scattered, loop-lag CDF, concurrency, 4 KiB latency, the floor of a "
@@ -492,7 +493,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "vllm: PD through AiotransferConnector vs vLLM's NixlConnector (run with the vLLM "
                         "venv's Python: bash scripts/vllm-venv.sh); "
                         "sglang: SGLang 0.5.23's own transfer layer (prefill -> decode) against aiotransfer -> "
-                        "aiotransfer, interleaved rounds, same geometry (needs bash scripts/interop-venv.sh)")
+                        "aiotransfer, interleaved rounds, same geometry (needs bash scripts/interop-venv.sh); "
+                        "device: KV in GPU memory, aiotransfer against the raw engine, aux by path, staging copies")
     p.add_argument("--engine", default="mooncake_tcp", help="Mooncake flavour (default mooncake_tcp)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--repeats", type=int, default=None, help="timed repetitions per figure (default 5; 2 with --quick)")
@@ -537,6 +539,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          "(default 5; 2 with --quick)")
     sg.add_argument("--at-once", type=int, default=None,
                     help="rooms in flight together in the 'at once' figure (default 64; 16 with --quick)")
+    dev = p.add_argument_group("--suite device")
+    dev.add_argument("--device", default="cuda:0",
+                     help="where both sides' KV lives (default cuda:0; cpu runs the same code on host tensors)")
     p.add_argument("--role", choices=("prefill", "decode"), default="prefill", help=argparse.SUPPRESS)
 
 
@@ -562,6 +567,10 @@ def run(ns: argparse.Namespace) -> int:
         from .sglang.bench import run_sglang
 
         return run_sglang(ns)
+    if getattr(ns, "suite", "default") == "device":
+        from .device_bench import run_device
+
+        return run_device(ns)
     if getattr(ns, "suite", "default") == "full":
         from .suite.run import run_suite
 

@@ -232,15 +232,17 @@ class RawNixl(RawEngine):
     same_call = "initialize_xfer+transfer+check_xfer_state spin"
     batch_style = "one xfer per batch of <=1024 descriptors"
 
-    def __init__(self, agent: Any, remote: str) -> None:
+    def __init__(self, agent: Any, remote: str, device_id: int | None = None) -> None:
         self.a = agent
         self.remote = remote
+        self.mem = "DRAM" if device_id is None else "VRAM"  # both sides' memory (the suites use one kind)
+        self.dev = device_id or 0
 
     def _post(self, src: U64, dst: U64, length: U64) -> tuple[Any, str]:
         a = self.a
-        zeros = np.zeros_like(src)
-        lx = a.get_xfer_descs(np.ascontiguousarray(np.stack([src, length, zeros], axis=1), dtype=np.uint64), "DRAM")
-        rx = a.get_xfer_descs(np.ascontiguousarray(np.stack([dst, length, zeros], axis=1), dtype=np.uint64), "DRAM")
+        devs = np.full_like(src, self.dev)
+        lx = a.get_xfer_descs(np.ascontiguousarray(np.stack([src, length, devs], axis=1), dtype=np.uint64), self.mem)
+        rx = a.get_xfer_descs(np.ascontiguousarray(np.stack([dst, length, devs], axis=1), dtype=np.uint64), self.mem)
         h = a.initialize_xfer("WRITE", lx, rx, self.remote)
         state = a.transfer(h)
         if state == "ERR":
@@ -310,11 +312,12 @@ class RawNixl(RawEngine):
         return clock() - t_start, lat
 
 
-def raw_engine(mgr: Any, target: str) -> RawEngine:
-    """The driver for ``mgr``'s own native engine, writing to the peer ``target`` (its session id)."""
+def raw_engine(mgr: Any, target: str, device_id: int | None = None) -> RawEngine:
+    """The driver for ``mgr``'s own native engine, writing to the peer ``target`` (its session id);
+    ``device_id``: both sides' memory is on that device (NIXL names it in its descriptors)."""
     native = mgr.engine.raw()
     if mgr.engine.name == "mooncake":
         return RawMooncake(native, target)
     if mgr.engine.name == "nixl":
-        return RawNixl(native, target)
+        return RawNixl(native, target, device_id)
     raise RuntimeError(f"no raw driver for engine {mgr.engine.name!r}")

@@ -170,7 +170,7 @@ def test_config_validates_staging_backend(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_device_copies_make_staging_pay_where_host_copies_do_not() -> None:
     """1,000 entries of 100 KB over a 10 GB/s engine: the host copies (2 x 25 ms) cost more than the
-    entries they save (30 ms); HBM copies (0.2 ms) do not."""
+    entries they save (30 ms); HBM copies (2 x 0.2 ms) do not."""
     def stage(**kw: Any) -> bool:
         return choose_staging(entries=1000, nbytes=100_000_000, entry_cost_s=30e-6, bandwidth_bps=1e10, **kw)
 

@@ -38,6 +38,7 @@ def test_device_suite_on_host_tensors_checks_bytes_and_reports_against_the_raw_e
     assert room["raw_gbps"] > 0 and room["ratio"] == pytest.approx(room["aiotransfer_gbps"] / room["raw_gbps"])
     assert list(room["stages_us"]) == [f"{a}->{b}" for a, b in itertools.pairwise(STAGES)]
     assert set(eng["aux"]) == {"host"} and eng["aux"]["host"]["path"] == "tcp"  # device aux needs CUDA
+    assert room["loop_lag"]["samples"] > 0 and room["loop_lag"]["max_ms"] >= 0
     assert "room: aiotransfer" in proc.stdout
 
 

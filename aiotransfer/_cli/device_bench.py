@@ -6,7 +6,8 @@ Each side runs in its own process on the one device (the decode is a child proce
   aiotransfer (``send_kv`` + ``done``, the page indices given as a Python list, as vLLM passes them, and as
   a NumPy array, as SGLang does) against the raw engine writing the same two entries, alternating the
   three, medians; bytes are checked on the decode after the first room of each kind. Where aiotransfer's
-  time goes is read from its trace marks (:mod:`aiotransfer._trace`): the prefill's stages, medians;
+  time goes is read from its trace marks (:mod:`aiotransfer._trace`): the prefill's stages, medians; and
+  the prefill's event-loop lag over the timed rooms;
 * **aux by path**: a one-page room with ``send_aux``: aux buffers on the device
   (``custom_mem_pool="INTRA_NODE_NVLINK"``, written by the engine) against host aux on the TCP path;
 * **device copies** (once): the gather (``index_select``) and scatter (``index_copy_``) of 10,000 of
@@ -32,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from aiotransfer import KVArgs, KVManager, TransferConfig, _trace
+from aiotransfer import KVArgs, KVManager, LoopLagMonitor, TransferConfig, _trace
 
 from .channel import Child, open_parent_channel
 from .raw import raw_engine
@@ -254,16 +255,17 @@ async def _engine(engine: str, device: str, sizes: dict[str, int], repeats: int,
             await b.check(n, f"{engine} {label} through the raw engine")
             times: dict[str, list[float]] = {"list": [], "array": [], "raw": []}
             b.stages.clear()
-            for _ in range(repeats):
-                times["list"].append(await b.aio_room(n))
-                times["array"].append(await b.aio_room(n, as_array=True, trace=True))
-                times["raw"].append(await b.raw_room(n))
+            async with LoopLagMonitor() as lag:
+                for _ in range(repeats):
+                    times["list"].append(await b.aio_room(n))
+                    times["array"].append(await b.aio_room(n, as_array=True, trace=True))
+                    times["raw"].append(await b.raw_room(n))
             gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
             out["rooms"][label] = {"bytes": nbytes, "aiotransfer_gbps": gbps["list"],
                                    "aiotransfer_array_gbps": gbps["array"], "raw_gbps": gbps["raw"],
                                    "ratio": gbps["list"] / gbps["raw"], "ratio_array": gbps["array"] / gbps["raw"],
                                    "raw_us": statistics.median(times["raw"]) * 1e6,
-                                   "stages_us": _stage_medians(b.stages)}
+                                   "stages_us": _stage_medians(b.stages), "loop_lag": lag.summary()}
         for mode in side.modes:
             await b.use(mode)
             aux_times = []
@@ -347,6 +349,8 @@ def run_device(ns: argparse.Namespace) -> int:
                   f"({r['raw_us']:.0f} us); ratios {r['ratio']:.2f}, {r['ratio_array']:.2f}")
             print(f"{'':13s} {label:>4s} stages (array, us): "
                   + ", ".join(f"{k} {v:.0f}" for k, v in r["stages_us"].items()))
+            print(f"{'':13s} {label:>4s} event-loop lag over these rooms: p99 {r['loop_lag']['p99_ms']} ms, "
+                  f"max {r['loop_lag']['max_ms']} ms")
         for mode, r in res["aux"].items():
             print(f"{engine:13s} one-page room + send_aux, {mode} aux on the {r['path']} path: "
                   f"{r['room_us']:.0f} us (median of {aux_rooms})")

@@ -62,7 +62,7 @@ HOST_COPY_BW = 4e9
 on the CPU machines)."""
 DEVICE_COPY_BW = 5.5e11
 """Gather/scatter throughput of device memory in bytes per second, measured on an NVIDIA H200 (2026-11-27,
-``bench --suite device``): 10,000 scattered 4 KiB pages gather (``index_select``) at 1.35-1.40 TB/s and
+``bench --suite device``): 10,000 scattered 4 KiB pages gather (``index_select``) at 1.20-1.43 TB/s and
 scatter (``index_copy_``) at 0.34-0.35 TB/s of payload; a staged chunk pays one of each, which is two
 copies at 0.55 TB/s."""
 

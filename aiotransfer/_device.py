@@ -14,6 +14,7 @@ device module and for tests.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
 import logging
@@ -21,9 +22,11 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from ._deadline import Deadline
 from .config import TransferConfig
+from .errors import InvalidArgument, TransferTimeout
 
-__all__ = ["bind_device", "device_initializer", "use_backends"]
+__all__ = ["bind_device", "device_initializer", "use_backends", "wait_device_work"]
 
 log = logging.getLogger("aiotransfer.device")
 
@@ -98,3 +101,26 @@ def device_initializer(
         bind_device(device_id, chosen)
 
     return init
+
+
+_READY_POLL_MIN = 20e-6
+_READY_POLL_MAX = 1e-3
+"""Polls of a device event back off from 20 µs to 1 ms: a layer's kernels are usually done within a few
+hundred µs of being queued, and a poll costs the loop one non-blocking driver call."""
+
+
+async def wait_device_work(ready: Any, deadline: Deadline, what: str) -> None:
+    """Until ``ready.query()`` is true (a ``torch.cuda.Event`` recorded after the kernels that write the
+    KV, or anything with that method), polling from the loop without ever blocking it; raises
+    :class:`TransferTimeout` at ``deadline``. ``what`` names the work in the error."""
+    query = getattr(ready, "query", None)
+    if not callable(query):
+        raise InvalidArgument(f"{what}: ready= needs an object with a query() method (a CUDA event), "
+                              f"got {type(ready).__name__}")
+    interval = _READY_POLL_MIN
+    while not query():
+        if deadline.expired:
+            raise TransferTimeout(f"{what}: the device work it waits for was not done within "
+                                  f"{deadline.budget:.3g} s")
+        await asyncio.sleep(min(interval, deadline.remaining()))
+        interval = min(interval * 2, _READY_POLL_MAX)

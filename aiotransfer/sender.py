@@ -13,6 +13,7 @@ import numpy as np
 
 from . import _trace
 from ._deadline import Deadline, within
+from ._device import wait_device_work
 from ._kv.context import RankContext, annotate, validate_state_indices
 from ._kv.ledger import Ledger
 from ._kv.notify import Notifier
@@ -392,13 +393,14 @@ class KVSender(RoomSide):
         return KVStream(self.room, int(src.size), layers, last,
                         functools.partial(self._send_layers, src, start, last, self._chunk()))
 
-    async def _no_layers(self, layers: frozenset[int], complete: bool, timeout: float | None) -> None:
+    async def _no_layers(self, layers: frozenset[int], complete: bool, timeout: float | None, ready: Any) -> None:
         return None  # a dummy rank's chunk: nothing moves
 
     async def _send_layers(self, src: np.ndarray, start: int, last: bool, end_stream: Callable[[], None],
-                           layers: frozenset[int], complete: bool, timeout: float | None) -> None:
+                           layers: frozenset[int], complete: bool, timeout: float | None, ready: Any) -> None:
         """One ``send_layers`` call of a stream; the stream counts as a chunk in flight (``end_stream``) until
-        the call that sends its last layers ends."""
+        the call that sends its last layers ends. ``ready``: device work to wait for before any byte moves
+        (a wait that times out fails the room, as a write that times out does)."""
         ctx = self._ctx
         ctx.check_open()
         self._raise_if_failed()
@@ -407,6 +409,9 @@ class KVSender(RoomSide):
         give_back = self._ledger.take()  # before the first await: the room cannot be released under this call
         end_call = self._chunk()
         try:
+            if ready is not None:
+                what = f"room {self.room}: layers {sorted(layers)}"
+                await self._run_or_fail(wait_device_work(ready, deadline, what))
             await self._run_or_fail(self._run_layers(src, start, layers, complete, deadline))
             ctx.metrics.observe("send_layers", time.monotonic() - t0)
             if complete:

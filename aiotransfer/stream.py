@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 from .errors import InvalidArgument
 
@@ -18,10 +19,13 @@ class KVStream:
     concludes Success, as ``send_kv(last=True)`` does. Layers move as direct engine entries as soon as
     they are sent; a chunk that is staged (scattered pages), head-sliced (TP mismatch), or whose pages hold
     every layer (page-first layouts), moves whole when its last layer is sent. No control message is sent per layer.
+
+    KV on a GPU is written by kernels that run after the host code that queued them: pass the layer's
+    ``ready`` event to :meth:`send_layers`, and its bytes move only once the kernels are done.
     """
 
     def __init__(self, room: int, pages: int, layers: Iterable[int], last: bool,
-                 send: Callable[[frozenset[int], bool, float | None], Awaitable[None]]) -> None:
+                 send: Callable[[frozenset[int], bool, float | None, Any], Awaitable[None]]) -> None:
         self.room = room
         self.pages = pages
         """Pages in this chunk."""
@@ -50,10 +54,17 @@ class KVStream:
         """Every layer has been sent."""
         return not self._left
 
-    async def send_layers(self, layers: int | Iterable[int], *, timeout: float | None = None) -> None:
+    async def send_layers(self, layers: int | Iterable[int], *, ready: Any = None,
+                          timeout: float | None = None) -> None:
         """Send ``layers`` (one layer id, or several) of this chunk. ``timeout`` bounds the call (the
         room's conclusion included, on the call that completes the last chunk). Raises
-        :class:`InvalidArgument` before any byte moves for a layer that is unknown or already sent."""
+        :class:`InvalidArgument` before any byte moves for a layer that is unknown or already sent.
+
+        ``ready``: the device work that writes these layers, as an object whose ``query()`` says whether
+        it is done: a ``torch.cuda.Event`` recorded on the stream of the layers' kernels. The call waits
+        for it (polled from the loop, which it never blocks) before any of their bytes move. If it is not
+        done within ``timeout``, the room fails with :class:`TransferTimeout`. Without it, the layers must
+        be written when the call is made."""
         ids = [layers] if isinstance(layers, int) else [int(x) for x in layers]
         if not ids:
             raise InvalidArgument(f"room {self.room}: send_layers needs at least one layer")
@@ -66,5 +77,8 @@ class KVStream:
         again = [x for x in ids if x not in self._left]
         if again:
             raise InvalidArgument(f"room {self.room}: layers {again} were already sent in this chunk")
+        if ready is not None and not callable(getattr(ready, "query", None)):
+            raise InvalidArgument(f"room {self.room}: ready= needs an object with a query() method (a CUDA "
+                                  f"event), got {type(ready).__name__}")
         self._left.difference_update(ids)
-        await self._send(frozenset(ids), not self._left, timeout)
+        await self._send(frozenset(ids), not self._left, timeout, ready)

@@ -227,3 +227,77 @@ def test_streaming_bench_quick_runs_and_reports_both_modes(tmp_path: Path) -> No
     assert size["exposed_after_compute_ms"] > 0 and size["exposed_streamed_ms"] > 0
     assert "exposed transfer after compute" in proc.stdout
     assert set(result["call_cpu_us"]) == {"queued", "alone"} and min(result["call_cpu_us"].values()) > 0
+
+
+class LateWrite:
+    """Device work as the host sees it: kernels queued before ``send_layers`` that write a layer's pages a
+    little later. A thread writes ``value`` into ``pages`` of ``buffers`` after ``delay`` seconds;
+    ``query()`` says whether it is done, as a ``torch.cuda.Event`` does."""
+
+    def __init__(self, bufs: list[np.ndarray], buffers: list[int], pages: list[int], value: int, delay: float) -> None:
+        self.queries = 0
+        self._done = threading.Event()
+
+        def write() -> None:
+            self._done.wait(delay)  # never set before: a bounded sleep off the loop
+            for b in buffers:
+                bufs[b][pages] = value
+            self._done.set()
+
+        self._thread = threading.Thread(target=write, daemon=True)
+        self._thread.start()
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self._done.is_set()
+
+    def join(self) -> None:
+        self._thread.join(5)
+
+
+@pytest.mark.parametrize("with_ready", [True, False], ids=["ready", "negative-control"])
+async def test_a_layer_sent_with_its_ready_event_moves_only_once_the_work_that_writes_it_is_done(
+    engine: str, decode: RemotePeer, with_ready: bool
+) -> None:
+    """Layer 0's pages are written 0.3 s after ``send_layers(0)`` is called. With ``ready=`` the new bytes
+    arrive; without it (the negative control) the engine reads the pages before they are written."""
+    async with streamed_room(engine, decode, 11, 40, seed=12) as (_mgr, tx, bufs, src, dst):
+        before = [b.copy() for b in bufs]
+        stream = tx.stream(src)
+        work = LateWrite(bufs, [i for i, layer in enumerate(LAYER_IDS) if layer == 0], src, 0x5A, 0.3)
+        await stream.send_layers(0, ready=work if with_ready else None)
+        work.join()
+        await stream.send_layers(1)
+        await tx.done(timeout=10)
+        assert (await decode.call("done", room=11))["status"] == "Success"
+        got = (await decode.call("digest", pages=dst))["digest"]
+        assert got == expected_digest(bufs if with_ready else before, src)
+        assert work.queries > 1 if with_ready else work.queries == 0
+
+
+async def test_a_ready_event_that_never_fires_fails_the_room_within_the_timeout(engine: str,
+                                                                               decode: RemotePeer) -> None:
+    class Never:
+        def query(self) -> bool:
+            return False
+
+    async with streamed_room(engine, decode, 12, 20) as (mgr, tx, _bufs, src, _dst):
+        stream = tx.stream(src)
+        with pytest.raises(TransferTimeout, match=r"layers \[0\].*device work"):
+            await stream.send_layers(0, ready=Never(), timeout=0.3)
+        assert tx.poll() is KVPoll.Failed
+        with pytest.raises(RemoteError, match="device work"):
+            await decode.call("done", room=12, timeout=10)
+        await tx.released(timeout=10)
+        assert mgr.stats().get("layer_writes", 0) == 0
+
+
+async def test_a_ready_without_query_is_refused_before_any_byte_moves(engine: str, decode: RemotePeer) -> None:
+    async with streamed_room(engine, decode, 13, 20) as (_mgr, tx, bufs, src, dst):
+        stream = tx.stream(src)
+        with pytest.raises(InvalidArgument, match=r"query\(\) method"):
+            await stream.send_layers(0, ready=object())
+        assert stream.layers_left == (0, 1)  # nothing was taken: the layer can still be sent
+        await stream.send_layers([0, 1])
+        await tx.done(timeout=10)
+        assert (await decode.call("digest", pages=dst))["digest"] == expected_digest(bufs, src)

@@ -125,18 +125,22 @@ async def test_layers_come_in_the_order_the_pass_writes_them_and_the_rest_when_i
     fwd = ForwardPass(asyncio.get_running_loop(), 4)
     got: list[int] = []
 
+    readies: list[object] = []
+
     async def room() -> None:
-        async for layer in fwd.layers(10.0):
+        async for layer, ready in fwd.layers(10.0):
             got.append(layer)
+            readies.append(ready)
 
     task = asyncio.create_task(room())
     for layer in (2, 0, 2):  # vLLM's order need not be the buffers' order; a repeat is ignored
-        fwd.written(layer)
+        fwd.written(layer, ready=f"event {layer}" if layer == 0 else None)
         await asyncio.sleep(0.01)
     assert got == [2, 0] and not task.done()
-    fwd.over()  # layers never reported are written once the pass is over
+    fwd.over(ready="end")  # layers never reported are written once the pass is over (its event fired)
     await asyncio.wait_for(task, 5)
     assert got == [2, 0, 1, 3]
+    assert readies == [None, "event 0", "end", "end"] and fwd.end_ready == "end"
 
 
 async def test_an_abandoned_pass_fails_its_rooms_and_a_silent_one_times_out() -> None:

@@ -374,7 +374,7 @@ class DecodeWorker:
                         pipe.close()
 
 
-def prefill_worker(engine: str, kv: list[np.ndarray], **extra: Any) -> WorkerSide:
+def prefill_worker(engine: str, kv: list[Any], **extra: Any) -> WorkerSide:
     worker = WorkerSide(ConnectorConfig.from_extra({"engine": engine, "transfer_timeout": 10.0, **extra}))
     worker.register({f"layer.{i}": buf for i, buf in enumerate(kv)}, block_size=16)
     return worker

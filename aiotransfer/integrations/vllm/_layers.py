@@ -3,7 +3,10 @@
 vLLM's model runner calls ``save_kv_layer`` from its own thread after each attention layer has written its
 KV; :class:`ForwardPass` carries that, one loop wake-up per layer, to the rooms on the connector's event
 loop thread, which then push that layer's blocks to their decode while the pass computes the next layers.
-Plain Python, no vLLM import.
+
+On a GPU, ``save_kv_layer`` runs once the layer's kernels are queued, not done: each report carries a CUDA
+event recorded then (:func:`device_event`), and the layer's bytes move only once it has fired
+(``KVStream.send_layers(ready=...)``). Plain Python, no vLLM import (torch only for KV on a GPU).
 """
 
 from __future__ import annotations
@@ -17,7 +20,19 @@ from typing import Any
 from ..._deadline import within
 from ...errors import AiotransferError, TransferTimeout
 
-__all__ = ["ForwardPass"]
+__all__ = ["ForwardPass", "device_event"]
+
+
+def device_event(device: Any) -> Any:
+    """A CUDA event recorded now on ``device``'s current stream: it fires once the work queued there so far
+    (the layer's kernels) is done. None for host memory (``device`` None or not CUDA): nothing to wait for."""
+    if device is None or getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 class ForwardPass:
@@ -28,23 +43,27 @@ class ForwardPass:
         self._loop = loop
         self._num_layers = num_layers
         self._order: list[int] = []  # layers written so far, in the order they were
+        self._ready: dict[int, Any] = {}  # layer -> the device event its bytes wait for (KV on a GPU)
+        self.end_ready: Any = None
+        """The device event recorded when the pass ended (KV on a GPU): whole sends wait for it."""
         self._progress = asyncio.Event()  # replaced by a fresh one each time a layer is written
         self._over = asyncio.Event()
         self._abandoned: str | None = None
 
     # -- vLLM's thread -----------------------------------------------------------------------------
-    def written(self, layer: int) -> None:
-        """Layer ``layer``'s KV is in its blocks."""
-        self._tell(self._add, layer)
+    def written(self, layer: int, ready: Any = None) -> None:
+        """Layer ``layer``'s KV is in its blocks, or will be once ``ready`` (a device event) fires."""
+        self._tell(self._add, (layer, ready))
 
-    def over(self) -> None:
-        """The pass has ended: every layer's KV is in its blocks (a layer that was never reported too)."""
-        self._tell(self._end, None)
+    def over(self, ready: Any = None) -> None:
+        """The pass has ended: every layer's KV is in its blocks (a layer that was never reported too), or
+        will be once ``ready`` fires."""
+        self._tell(self._end, (None, ready))
 
     def abandon(self, reason: str) -> None:
         """The pass will not complete (vLLM began another step without ending this one): rooms waiting on
         it fail with ``reason`` rather than send blocks that may not hold their KV."""
-        self._tell(self._end, reason)
+        self._tell(self._end, (reason, None))
 
     def _tell(self, fn: Callable[[Any], None], arg: Any) -> None:
         # A connector shutting down closes the loop under a pass still running: its rooms have failed
@@ -52,31 +71,39 @@ class ForwardPass:
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(fn, arg)
 
-    def _add(self, layer: int) -> None:
+    def _add(self, report: tuple[int, Any]) -> None:
+        layer, ready = report
         if not self._over.is_set() and 0 <= layer < self._num_layers and layer not in self._order:
             self._order.append(layer)
+            self._ready[layer] = ready
             self._progress.set()
             self._progress = asyncio.Event()
 
-    def _end(self, abandoned: str | None) -> None:
+    def _end(self, report: tuple[str | None, Any]) -> None:
+        abandoned, ready = report
         if self._over.is_set():
             return
         if abandoned is None:
-            self._order += [layer for layer in range(self._num_layers) if layer not in self._order]
+            rest = [layer for layer in range(self._num_layers) if layer not in self._order]
+            self._order += rest
+            self._ready.update(dict.fromkeys(rest, ready))
+            self.end_ready = ready
         self._abandoned = abandoned
         self._over.set()
         self._progress.set()
 
     # -- the loop thread ---------------------------------------------------------------------------
-    async def layers(self, timeout: float) -> AsyncIterator[int]:
-        """Each layer as soon as it is written (every layer, once the pass is over); raises if the pass is
-        abandoned, or when the whole pass has not ended within ``timeout`` seconds."""
+    async def layers(self, timeout: float) -> AsyncIterator[tuple[int, Any]]:
+        """Each layer as soon as it is reported, with the device event its bytes wait for (None: written
+        already); every layer once the pass is over. Raises if the pass is abandoned, or when the whole
+        pass has not ended within ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         seen = 0
         while True:
             while seen < len(self._order):
                 seen += 1
-                yield self._order[seen - 1]
+                layer = self._order[seen - 1]
+                yield layer, self._ready.get(layer)
             if self._abandoned is not None:
                 raise AiotransferError(self._abandoned)
             if self._over.is_set():

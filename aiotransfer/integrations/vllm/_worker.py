@@ -20,6 +20,8 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
+from ..._deadline import Deadline
+from ..._device import wait_device_work
 from ...args import KVArgs
 from ...errors import AiotransferError, TransferTimeout
 from ...manager import KVManager
@@ -27,7 +29,7 @@ from ...receiver import KVReceiver
 from ...sender import KVSender
 from .._sync import BackgroundManager
 from ._config import FORGONE, STATE_KIND, ConnectorConfig
-from ._layers import ForwardPass
+from ._layers import ForwardPass, device_event
 from ._scheduler import Orders, RecvJob, SendJob
 
 __all__ = ["WorkerSide"]
@@ -35,6 +37,12 @@ __all__ = ["WorkerSide"]
 log = logging.getLogger("aiotransfer.integrations.vllm")
 
 _Side = TypeVar("_Side", KVSender, KVReceiver)
+
+
+def _cuda_device(tensor: Any) -> Any:
+    """``tensor``'s device when it is a CUDA one, else None."""
+    device = getattr(tensor, "device", None)
+    return device if getattr(device, "type", None) == "cuda" else None
 
 
 def _reason(exc: BaseException) -> str:
@@ -67,6 +75,7 @@ class WorkerSide:
         self._by_request = False  # hybrid: failed loads are reported per request, not per block
         self._layer_index: dict[str, int] = {}  # layer name -> KV buffer (= layer id), for layer streaming
         self._pass: ForwardPass | None = None  # the forward pass under way, while it has rooms to push
+        self._device: Any = None  # the KV's CUDA device: sends wait for an event of the pass that wrote it
         self.loads: collections.deque[tuple[str, float, int]] = collections.deque(maxlen=4096)
         """Recent successful loads: (request id, seconds from asking the prefill to the last byte, bytes)."""
         self.stats: dict[str, int] = {"sends": 0, "sends_asked_early": 0, "sends_streamed": 0, "sends_failed": 0, "sends_forgone": 0, "receives": 0,
@@ -85,14 +94,9 @@ class WorkerSide:
                                 else int(t[0].nbytes) for t in tensors)
         # One buffer per layer, in vLLM's order: buffer i holds layer i, which layer streaming pushes.
         args = KVArgs(tensors, page_size=block_size, dtype=dtype, tp_rank=0, tp_size=1, num_layers=len(tensors))
-        on_cpu = all(str(getattr(t, "device", "cpu")) == "cpu" for t in tensors)
-        if self._config.stream_layers and on_cpu:
+        self._device = _cuda_device(tensors[0])
+        if self._config.stream_layers:
             self._layer_index = {name: i for i, name in enumerate(kv_caches)}
-        elif self._config.stream_layers:
-            # A GPU's kernels write a layer's KV after save_kv_layer returns: pushing it then would need an
-            # event per layer. Until that exists, rooms go whole after the forward pass.
-            log.info("aiotransfer connector: KV on %s; layer streaming is for KV in CPU memory, rooms are "
-                     "sent whole after each forward pass", getattr(tensors[0], "device", "?"))
         return self._start(args, f"{len(tensors)} KV tensors of {dtype}")
 
     def _start(self, args: KVArgs, what: str) -> str:
@@ -125,6 +129,7 @@ class WorkerSide:
                       tp_size=1, state_buffers={STATE_KIND: buffers}, state_item_lens={STATE_KIND: page})
         self._block_bytes = self._state_bytes = page * len(buffers)
         self._by_request = True
+        self._device = _cuda_device(next(iter(attention.values())))
         return self._start(args, f"{len(buffers)} regions of {page}-byte pages (attention KV and Mamba state)")
 
     @property
@@ -134,7 +139,7 @@ class WorkerSide:
     @property
     def streams_layers(self) -> bool:
         """Whether rooms whose decode has asked are pushed layer by layer during the forward pass
-        (``stream_layers``, dense models with their KV in CPU memory)."""
+        (``stream_layers``, dense models; on a GPU each layer waits for the event of its kernels)."""
         return bool(self._layer_index)
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -158,12 +163,14 @@ class WorkerSide:
 
     def start_sends(self, orders: Orders, fwd: ForwardPass | None = None) -> None:
         """Hold a sender per request whose prompt this step computes. Called after the forward pass (the
-        prompt's KV is written), or, with layer streaming, before it with the pass (:meth:`begin_pass`)."""
+        prompt's KV is written, or on a GPU queued to be: the sends wait for an event recorded now), or,
+        with layer streaming, before it with the pass (:meth:`begin_pass`)."""
         bg = self._require()
+        ready = device_event(self._device) if fwd is None and orders.send else None
         for job in orders.send:
             with self._lock:
                 self._sends.add(job.req_id)
-            self._spawn(bg, job.req_id, functools.partial(self._send, job, fwd))
+            self._spawn(bg, job.req_id, functools.partial(self._send, job, fwd, ready))
 
     # -- layer streaming (prefill) ---------------------------------------------------------------
     def begin_pass(self, orders: Orders) -> None:
@@ -184,13 +191,13 @@ class WorkerSide:
         if fwd is not None:
             layer = self._layer_index.get(layer_name)
             if layer is not None:
-                fwd.written(layer)
+                fwd.written(layer, device_event(self._device))
 
     def end_pass(self) -> None:
-        """vLLM's ``wait_for_save``: the forward pass is over, every layer written."""
+        """vLLM's ``wait_for_save``: the forward pass is over, every layer written (or queued, on a GPU)."""
         fwd, self._pass = self._pass, None
         if fwd is not None:
-            fwd.over()
+            fwd.over(device_event(self._device))
 
     def _require(self) -> BackgroundManager:
         if self._bg is None:
@@ -251,8 +258,9 @@ class WorkerSide:
             raise AiotransferError(aborted)
         return side
 
-    async def _send(self, job: SendJob, fwd: ForwardPass | None) -> None:
-        """Send one request's prompt. ``fwd``: the forward pass that computes it is still under way."""
+    async def _send(self, job: SendJob, fwd: ForwardPass | None, ready: Any = None) -> None:
+        """Send one request's prompt. ``fwd``: the forward pass that computes it is still under way.
+        ``ready``: the device event of the pass that computed it (KV on a GPU)."""
         cfg = self._config
         self.stats["sends"] += 1
         tx: KVSender | None = None
@@ -267,7 +275,10 @@ class WorkerSide:
             else:
                 if fwd is not None:
                     await fwd.finished(cfg.transfer_timeout)
+                    ready = fwd.end_ready
                 await tx.wait_ready(timeout=cfg.lease)
+                if ready is not None:  # the pass's kernels are queued, maybe not done
+                    await wait_device_work(ready, Deadline(cfg.transfer_timeout), f"request {job.req_id}")
                 if job.state_block is not None:
                     await tx.send_state({STATE_KIND: [job.state_block]}, timeout=cfg.transfer_timeout)
                 await tx.send_kv(self._tail(tx, job), timeout=cfg.transfer_timeout)
@@ -297,8 +308,8 @@ class WorkerSide:
         self.stats["sends_streamed"] += 1
         sends: list[asyncio.Future[None]] = []
         try:
-            async for layer in fwd.layers(deadline - time.monotonic()):
-                send = stream.send_layers(layer, timeout=max(deadline - time.monotonic(), 0.001))
+            async for layer, ready in fwd.layers(deadline - time.monotonic()):
+                send = stream.send_layers(layer, ready=ready, timeout=max(deadline - time.monotonic(), 0.001))
                 sends.append(asyncio.ensure_future(send))  # kept as it starts: a failure later still gathers it
         finally:
             if sends:

@@ -25,10 +25,22 @@ def _pass(prefill: _worker.WorkerSide, kv: list[Any]) -> None:
     """The forward pass as the host sees it: each layer's kernels queued, then reported at once."""
     import torch
 
+    blocks = torch.tensor(SRC, device=DEVICE)  # on the device first: indexing with a list would sync the host
+    torch.cuda.synchronize()
     for layer, buf in enumerate(kv):
         torch.cuda._sleep(SPIN_CYCLES // 2)  # the layer's compute
-        buf[list(SRC)] = 100 + layer  # its KV, written behind the compute on the same stream
+        buf.index_fill_(0, blocks, 100 + layer)  # its KV, written behind the compute on the same stream
         prefill.layer_written(f"layer.{layer}")
+
+
+def _negative_control(engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The events removed. Mooncake's TCP transport cannot show what they prevent: on an H200 (2026-11-27) it
+    delivered the new bytes without them too, most likely because it copies device memory with a
+    synchronous ``cudaMemcpy``, which waits for the work queued on the default stream. NIXL (``cuda_ipc``)
+    reads the blocks while the kernels still run, and shows it."""
+    if engine == "mooncake_tcp":
+        pytest.skip("Mooncake over TCP copies device memory after the default stream's work: nothing to show")
+    monkeypatch.setattr(_worker, "device_event", lambda device: None)
 
 
 def _expected(kv: list[Any]) -> str:
@@ -44,7 +56,7 @@ def test_each_cuda_layer_is_pushed_only_once_its_kernels_are_done(gpu_engine: st
     import torch
 
     if not ordered:
-        monkeypatch.setattr(_worker, "device_event", lambda device: None)
+        _negative_control(gpu_engine, monkeypatch)
     kv = [torch.from_numpy(b).to(DEVICE) for b in make_buffers(2, PAGES, ITEM, seed=31)]
     prefill = prefill_worker(gpu_engine, kv)
     decode = DecodeWorker(gpu_engine)
@@ -72,7 +84,7 @@ def test_a_whole_room_asked_early_waits_for_the_pass_kernels(gpu_engine: str, or
     import torch
 
     if not ordered:
-        monkeypatch.setattr(_worker, "device_event", lambda device: None)
+        _negative_control(gpu_engine, monkeypatch)
     kv = [torch.from_numpy(b).to(DEVICE) for b in make_buffers(2, PAGES, ITEM, seed=32)]
     prefill = prefill_worker(gpu_engine, kv, stream_layers=False)
     decode = DecodeWorker(gpu_engine)

@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import hashlib
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -36,6 +35,7 @@ import numpy as np
 from aiotransfer import KVArgs, KVManager, LoopLagMonitor, TransferConfig, _trace
 
 from .channel import Child, open_parent_channel
+from .files import write_json
 from .raw import raw_engine
 
 __all__ = ["run_device"]
@@ -362,9 +362,7 @@ def run_device(ns: argparse.Namespace) -> int:
     print(f"staging copies, 10,000 scattered 4 KiB pages: gather {bw['gather_bps'] / 1e9:.0f} GB/s, "
           f"scatter {bw['scatter_bps'] / 1e9:.0f} GB/s (payload bytes)")
     if ns.out:
-        os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)
-        with open(ns.out, "w") as f:
-            json.dump(results, f, indent=2)
+        write_json(ns.out, results, indent=2)
     return 0
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import time
@@ -22,6 +21,7 @@ import numpy as np
 from aiotransfer import AiotransferError, KVArgs, KVManager, TransferConfig
 
 from .channel import Child, open_parent_channel
+from .files import write_json
 
 __all__ = ["run_lifecycle"]
 
@@ -137,9 +137,7 @@ def run_lifecycle(ns: argparse.Namespace) -> int:
               f"p50 {p['p50']:.2f} ms, p99 {p['p99']:.2f} ms; causes {res['causes']}; the old advice "
               f"({res['old_advice_s']:.0f} s) kept pages out {res['old_advice_over_p99']:.0f}x longer than p99")
     if ns.out:
-        os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)
-        with open(ns.out, "w") as f:
-            json.dump(out, f, indent=2)
+        write_json(ns.out, out, indent=2)
     return 0
 
 

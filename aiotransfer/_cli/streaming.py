@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -27,6 +26,7 @@ import numpy as np
 from aiotransfer import KVArgs, KVManager, TransferConfig
 
 from .channel import Child, open_parent_channel
+from .files import write_json
 
 __all__ = ["run_streaming"]
 
@@ -180,9 +180,7 @@ def run_streaming(ns: argparse.Namespace) -> int:
         print(f"{engine:13s} small layers (64 KiB): loop CPU per send_layers call {c['queued']:.0f} us when a "
               f"chunk's layers queue up together, {c['alone']:.0f} us one at a time")
     if ns.out:
-        os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)
-        with open(ns.out, "w") as f:
-            json.dump(results, f, indent=2)
+        write_json(ns.out, results, indent=2)
     return 0
 
 

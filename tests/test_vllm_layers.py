@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 
 from aiotransfer.errors import AiotransferError, TransferTimeout
+from aiotransfer.integrations.vllm._config import ConnectorConfig
 from aiotransfer.integrations.vllm._layers import ForwardPass
 from aiotransfer.integrations.vllm._scheduler import Orders, SendJob
 from aiotransfer.integrations.vllm._worker import WorkerSide
 from tests.conftest import ENGINES
 from tests.peer import digest, make_buffers
-from tests.test_vllm_sides import DecodeWorker, prefill_worker, wait_sent, workers
+from tests.test_vllm_sides import ITEM, PAGES, DecodeWorker, prefill_worker, wait_sent, workers
+from tests.vllm_worker_peer import hybrid_layers
 
 SRC = (50, 51, 52, 53)
 DST = [60, 61, 62, 63]
@@ -165,3 +167,50 @@ def test_a_pass_told_after_the_connector_closed_its_loop_does_not_fail_vllms_for
     loop.close()
     fwd.written(0)  # no RuntimeError("Event loop is closed") into vLLM's save_kv_layer
     fwd.over()
+
+
+# -- hybrid models: attention regions streamed, the Mamba state once the pass is over ----------------
+STATE_SRC, STATE_DST = 99, 12
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("state_late", [False, True], ids=["state-in-the-pass", "negative-control"])
+def test_a_hybrid_room_is_pushed_region_by_region_and_its_state_once_the_pass_is_over(engine: str,
+                                                                                       state_late: bool) -> None:
+    """Each attention layer's region goes as the layer is reported; the state block, which the Mamba layers
+    write during the pass, goes when the pass is over. The negative control writes the state only after
+    the pass has ended: the decode then gets the old state, so the digest can tell."""
+    kv = make_buffers(2, PAGES, ITEM, seed=16)
+    prefill = WorkerSide(ConnectorConfig.from_extra({"engine": engine, "transfer_timeout": 10.0}))
+    prefill.register_hybrid(*hybrid_layers(kv), block_size=16)
+    decode = DecodeWorker(engine, "hybrid")
+    try:
+        assert prefill.streams_layers
+        decode.post({"op": "recv", "req": "h1", "room": 4011, "peer": prefill.endpoint, "blocks": DST,
+                     "state": STATE_DST})
+        deadline = time.monotonic() + 20
+        while prefill.manager_stats()["pending_requests"] != 1:
+            assert time.monotonic() < deadline, prefill.counts()
+            time.sleep(0.01)
+        prefill.begin_pass(Orders(send=[SendJob("h1", 4011, SRC, STATE_SRC)]))
+        for layer, buf in enumerate(kv):
+            time.sleep(PAUSE)
+            buf[list(SRC)] = 100 + layer
+            if not state_late:
+                buf[STATE_SRC] = 200 + layer  # this region's Mamba layer writes the state
+            prefill.layer_written(f"attn.{layer}")
+        prefill.end_pass()
+        if state_late:
+            time.sleep(PAUSE)
+            for layer, buf in enumerate(kv):
+                buf[STATE_SRC] = 200 + layer
+        out = decode.ask(None)
+        assert out["finished"] and out["load_errors"] == [] and out["failed"] == [], out
+        assert out["digest"] == digest(kv, list(SRC))
+        assert (out["state_digest"] == digest(kv, [STATE_SRC])) != state_late
+        wait_sent(prefill, "h1", 10)
+        counts = prefill.counts()
+        assert (counts["sends_streamed"], counts["sends_failed"], counts["in_flight"]) == (1, 0, 0), counts
+    finally:
+        decode.close()
+        prefill.shutdown()

@@ -74,6 +74,7 @@ class WorkerSide:
         self._state_bytes = 0
         self._by_request = False  # hybrid: failed loads are reported per request, not per block
         self._layer_index: dict[str, int] = {}  # layer name -> KV buffer (= layer id), for layer streaming
+        self._num_regions = 0  # hybrid models: the KV buffers (regions), each a "layer" for streaming
         self._pass: ForwardPass | None = None  # the forward pass under way, while it has rooms to push
         self._device: Any = None  # the KV's CUDA device: sends wait for an event of the pass that wrote it
         self.loads: collections.deque[tuple[str, float, int]] = collections.deque(maxlen=4096)
@@ -125,11 +126,18 @@ class WorkerSide:
         if any(r[2] != page for r in kv + state):
             raise AiotransferError("register_kv_caches: attention and Mamba pages differ in size")
         buffers = [(ptr, nbytes) for ptr, nbytes, _ in kv]
+        # Region i is "layer" i for layer streaming: an attention layer reported written sends its region's
+        # blocks of the prompt; the Mamba state block goes once the pass is over (its layers write it).
         args = KVArgs(buffers, kv_item_lens=page, page_size=block_size, dtype=_dtype(attention), tp_rank=0,
-                      tp_size=1, state_buffers={STATE_KIND: buffers}, state_item_lens={STATE_KIND: page})
+                      tp_size=1, state_buffers={STATE_KIND: buffers}, state_item_lens={STATE_KIND: page},
+                      kv_layer_ids=list(range(len(buffers))))
         self._block_bytes = self._state_bytes = page * len(buffers)
         self._by_request = True
         self._device = _cuda_device(next(iter(attention.values())))
+        if self._config.stream_layers:
+            region = {ptr: i for i, (ptr, _, _) in enumerate(kv)}
+            self._layer_index = {name: region[_region_start(value)] for name, value in attention.items()}
+            self._num_regions = len(buffers)
         return self._start(args, f"{len(buffers)} regions of {page}-byte pages (attention KV and Mamba state)")
 
     @property
@@ -139,7 +147,8 @@ class WorkerSide:
     @property
     def streams_layers(self) -> bool:
         """Whether rooms whose decode has asked are pushed layer by layer during the forward pass
-        (``stream_layers``, dense models; on a GPU each layer waits for the event of its kernels)."""
+        (``stream_layers``; on a GPU each layer waits for the event of its kernels; hybrid models send their
+        Mamba state once the pass is over)."""
         return bool(self._layer_index)
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -182,7 +191,7 @@ class WorkerSide:
             self._pass.abandon("vLLM began a step before the forward pass that computes the prompt ended")
             self._pass = None
         if orders.send:
-            self._pass = ForwardPass(bg.loop, len(self._layer_index))
+            self._pass = ForwardPass(bg.loop, self._num_regions or len(self._layer_index))
             self.start_sends(orders, self._pass)
 
     def layer_written(self, layer_name: str) -> None:
@@ -270,7 +279,7 @@ class WorkerSide:
             asked = tx.num_pages is not None  # the decode asked before the prompt was computed (concurrent dispatch)
             if asked:
                 self.stats["sends_asked_early"] += 1
-            if fwd is not None and asked and tx.num_pages and job.state_block is None:
+            if fwd is not None and asked and tx.num_pages:
                 await self._push_layers(tx, job, fwd)
             else:
                 if fwd is not None:
@@ -311,6 +320,11 @@ class WorkerSide:
             async for layer, ready in fwd.layers(deadline - time.monotonic()):
                 send = stream.send_layers(layer, ready=ready, timeout=max(deadline - time.monotonic(), 0.001))
                 sends.append(asyncio.ensure_future(send))  # kept as it starts: a failure later still gathers it
+            if job.state_block is not None:  # the pass is over: its Mamba layers have written the state
+                if fwd.end_ready is not None:
+                    await wait_device_work(fwd.end_ready, Deadline(max(deadline - time.monotonic(), 0.001)),
+                                           f"request {job.req_id}: Mamba state")
+                await tx.send_state({STATE_KIND: [job.state_block]}, timeout=max(deadline - time.monotonic(), 0.001))
         finally:
             if sends:
                 results = await asyncio.gather(*sends, return_exceptions=True)
@@ -427,6 +441,12 @@ def _dtype(layers: Mapping[str, Any]) -> str:
     return str(tensor.dtype).removeprefix("torch.")
 
 
+def _region_start(value: Any) -> int:
+    """Where a layer's block-indexed region starts: the lowest address of its tensors."""
+    tensors = list(value) if isinstance(value, (list, tuple)) else [value]
+    return min(int(t.data_ptr()) for t in tensors)
+
+
 def _regions(layers: Mapping[str, Any], what: str) -> list[tuple[int, int, int]]:
     """``(ptr, nbytes, page bytes)`` of each layer's block-indexed region, in layer order, duplicates once.
 
@@ -441,7 +461,7 @@ def _regions(layers: Mapping[str, Any], what: str) -> list[tuple[int, int, int]]
             raise AiotransferError(f"register_kv_caches: {what} layer {name}: its tensors disagree on the block "
                                    f"stride ({sorted(pages)} bytes) or count ({sorted(blocks)})")
         page, count = pages.pop(), blocks.pop()
-        ptr = min(int(t.data_ptr()) for t in tensors)
+        ptr = _region_start(tensors)
         region = (ptr, page * count, page)
         if out.setdefault(ptr, region) != region:
             raise AiotransferError(f"register_kv_caches: {what} layer {name} overlaps another layer unevenly")

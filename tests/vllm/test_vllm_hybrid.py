@@ -36,7 +36,7 @@ def hybrid_run(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> di
     return run_harness(vllm_python, tmp_path_factory.mktemp("vllm-hybrid"), "pd", "--model", "hybrid",
                        "--kinds", ",".join(KINDS), "--lengths", ",".join(map(str, LENGTHS)),
                        "--negative-len", "200", "--max-tokens", str(MAX_TOKENS), "--transfer-timeout", "10",
-                       "--lease", "10")
+                       "--lease", "10", "--dispatch", "serial,concurrent")
 
 
 def _run(result: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -80,11 +80,32 @@ def test_hybrid_negative_control_another_requests_state_and_kv_differ(hybrid_run
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_hybrid_concurrent_dispatch_streams_regions_and_gives_the_single_engines_tokens(hybrid_run: dict[str, Any],
+                                                                                        kind: str) -> None:
+    """The decode asked before the prompt was computed: the prefill pushed each attention region as its
+    layer was written and the Mamba state once the pass was over. Same tokens; the late-asking decode
+    (whole rooms) too; the negative control (rooms swapped) differs."""
+    run = _run(hybrid_run, kind)
+    conc = run["concurrent"]
+    assert [r["outcome"] for r in conc["decode"]] == ["ok"] * len(LENGTHS), conc["decode"]
+    assert [r["outcome"] for r in conc["prefill"]] == ["ok"] * len(LENGTHS), conc["prefill"]
+    ref = hybrid_run["reference"]["tokens"]
+    assert conc["tokens"] == ref[:len(LENGTHS)]
+    assert conc["late"]["tokens"] == ref[:len(LENGTHS)]
+    neg = conc["negative"]
+    assert neg["outcomes"] == ["ok", "ok"]
+    for got, want in zip(neg["tokens"], ref[len(LENGTHS):], strict=True):
+        assert got != want, "decode in the other prompt's room gave the reference tokens: the test cannot fail"
+    worker = run["stats"]["prefill"]["worker"]
+    assert worker["sends_streamed"] == worker["sends_asked_early"] > 0, worker
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_hybrid_pd_leaves_every_block_free(hybrid_run: dict[str, Any], kind: str) -> None:
     run = _run(hybrid_run, kind)
     for side in ("prefill", "decode"):
         assert_no_leak(run["settle"][side], f"{kind} {side}")
-    n = len(LENGTHS) + 2
+    n = 2 * (len(LENGTHS) + 2) + len(LENGTHS)  # serial and concurrent, each with the negative control; the late run
     prefill, decode = run["stats"]["prefill"], run["stats"]["decode"]
     assert prefill["worker"]["sends"] == n and prefill["worker"]["sends_failed"] == 0, prefill
     assert decode["worker"]["receives"] == n and decode["worker"]["receives_failed"] == 0, decode

@@ -34,6 +34,7 @@ class KVStream:
         self._all = tuple(sorted(set(layers)))
         self._left = set(self._all)
         self._send = send
+        self._readies: list[Any] = []  # the ready= of earlier calls: a chunk that moves whole waits for them
 
     def __repr__(self) -> str:
         return (f"<KVStream room={self.room} pages={self.pages} layers sent "
@@ -81,4 +82,24 @@ class KVStream:
             raise InvalidArgument(f"room {self.room}: ready= needs an object with a query() method (a CUDA "
                                   f"event), got {type(ready).__name__}")
         self._left.difference_update(ids)
-        await self._send(frozenset(ids), not self._left, timeout, ready)
+        complete = not self._left
+        if ready is not None:
+            self._readies.append(ready)
+        if complete and len(self._readies) > (ready is not None):
+            # A staged or page-first chunk moves whole with this call: its earlier layers too, so it waits
+            # for their device work as well (each earlier call waits only for its own).
+            ready = _AllReady(self._readies)
+        await self._send(frozenset(ids), complete, timeout, ready)
+
+
+class _AllReady:
+    """Ready once every one of ``readies`` is (``query()`` of each, the fired ones asked no more)."""
+
+    __slots__ = ("_pending",)
+
+    def __init__(self, readies: Iterable[Any]) -> None:
+        self._pending = list(readies)
+
+    def query(self) -> bool:
+        self._pending = [r for r in self._pending if not r.query()]
+        return not self._pending

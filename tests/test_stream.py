@@ -301,3 +301,21 @@ async def test_a_ready_without_query_is_refused_before_any_byte_moves(engine: st
         await stream.send_layers([0, 1])
         await tx.done(timeout=10)
         assert (await decode.call("digest", pages=dst))["digest"] == expected_digest(bufs, src)
+
+
+async def test_a_chunk_that_moves_whole_waits_for_the_device_work_of_every_layer(engine: str,
+                                                                                 decode: RemotePeer) -> None:
+    """A staged chunk moves whole with the call that sends its last layer. That call has no work of its own
+    to wait for, but layer 0's, handed over by a call still waiting, is not done: the chunk waits for it."""
+    async with streamed_room(engine, decode, 14, 40, staging="always", seed=13) as (mgr, tx, bufs, src, dst):
+        stream = tx.stream(src)
+        work = LateWrite(bufs, [i for i, layer in enumerate(LAYER_IDS) if layer == 0], src, 0x3C, 0.3)
+        first = asyncio.ensure_future(stream.send_layers(0, ready=work))
+        await asyncio.sleep(0.01)  # the first call is waiting for its work
+        await stream.send_layers(1)  # completes the chunk: it moves whole
+        await first
+        work.join()
+        await tx.done(timeout=10)
+        assert mgr.stats()["staged_pieces"] > 0
+        assert (await decode.call("done", room=14))["status"] == "Success"
+        assert (await decode.call("digest", pages=dst))["digest"] == expected_digest(bufs, src)

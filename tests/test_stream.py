@@ -319,3 +319,17 @@ async def test_a_chunk_that_moves_whole_waits_for_the_device_work_of_every_layer
         assert mgr.stats()["staged_pieces"] > 0
         assert (await decode.call("done", room=14))["status"] == "Success"
         assert (await decode.call("digest", pages=dst))["digest"] == expected_digest(bufs, src)
+
+
+async def test_an_abort_while_a_layer_waits_for_its_work_ends_the_wait_and_posts_nothing(engine: str,
+                                                                                         decode: RemotePeer) -> None:
+    async with streamed_room(engine, decode, 15, 20, seed=14) as (mgr, tx, _bufs, src, _dst):
+        stream = tx.stream(src)
+        work = LateWrite([np.zeros((PAGES, 8), np.uint8)], [0], [0], 1, 5.0)  # done only in 5 s
+        call = asyncio.ensure_future(stream.send_layers(0, ready=work))
+        await asyncio.sleep(0.05)
+        await tx.abort("the forward pass failed")
+        with pytest.raises(TransferFailed, match="the forward pass failed"):
+            await asyncio.wait_for(call, 2)  # ends at once, not when the work is done
+        await tx.released(timeout=10)
+        assert mgr.stats().get("layer_writes", 0) == 0

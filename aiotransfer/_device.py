@@ -26,7 +26,7 @@ from ._deadline import Deadline
 from .config import TransferConfig
 from .errors import InvalidArgument, TransferTimeout
 
-__all__ = ["bind_device", "device_initializer", "use_backends", "wait_device_work"]
+__all__ = ["bind_device", "check_ready", "device_initializer", "use_backends", "wait_device_work"]
 
 log = logging.getLogger("aiotransfer.device")
 
@@ -109,14 +109,19 @@ _READY_POLL_MAX = 1e-3
 hundred µs of being queued, and a poll costs the loop one non-blocking driver call."""
 
 
+def check_ready(ready: Any, what: str) -> None:
+    """Refuse a ``ready=`` that is neither None nor an object with a ``query()`` method."""
+    if ready is not None and not callable(getattr(ready, "query", None)):
+        raise InvalidArgument(f"{what}: ready= needs an object with a query() method (a CUDA event), "
+                              f"got {type(ready).__name__}")
+
+
 async def wait_device_work(ready: Any, deadline: Deadline, what: str) -> None:
     """Until ``ready.query()`` is true (a ``torch.cuda.Event`` recorded after the kernels that write the
     KV, or anything with that method), polling from the loop without ever blocking it; raises
     :class:`TransferTimeout` at ``deadline``. ``what`` names the work in the error."""
-    query = getattr(ready, "query", None)
-    if not callable(query):
-        raise InvalidArgument(f"{what}: ready= needs an object with a query() method (a CUDA event), "
-                              f"got {type(ready).__name__}")
+    check_ready(ready, what)
+    query = ready.query
     interval = _READY_POLL_MIN
     while not query():
         if deadline.expired:

@@ -13,7 +13,7 @@ import numpy as np
 
 from . import _trace
 from ._deadline import Deadline, within
-from ._device import wait_device_work
+from ._device import check_ready, wait_device_work
 from ._kv.context import RankContext, annotate, validate_state_indices
 from ._kv.ledger import Ledger
 from ._kv.notify import Notifier
@@ -290,15 +290,21 @@ class KVSender(RoomSide):
             raise exc
         self._raise_if_failed()
 
-    async def send_kv(self, indices: Any, last: bool = True, *, timeout: float | None = None) -> None:
+    async def send_kv(self, indices: Any, last: bool = True, *, ready: Any = None,
+                      timeout: float | None = None) -> None:
         """Send the pages ``indices`` (local page indices) as the next chunk.
 
         Chunks fill consecutive slices of the decode's page list. With ``last=True`` (default) the chunk
         must complete the list; the room then concludes Success once aux/state declared by decode have
         been delivered too. ``timeout`` bounds the whole call, the conclusion included. Raises
         :class:`InvalidArgument` before any byte moves on bad input.
+
+        ``ready``: the device work that writes these pages, as an object whose ``query()`` says whether it
+        is done (a ``torch.cuda.Event`` recorded after the forward pass's kernels). No byte moves before it
+        is; it is polled from the loop, within ``timeout``, as for :meth:`KVStream.send_layers`.
         """
         ctx = self._ctx
+        check_ready(ready, f"room {self.room}")
         reserved = self._reserve(indices, last)
         if reserved is None:
             return
@@ -309,6 +315,8 @@ class KVSender(RoomSide):
         end_chunk = self._chunk()
         t0 = time.monotonic()
         try:
+            if ready is not None:
+                await self._run_or_fail(wait_device_work(ready, deadline, f"room {self.room}: send_kv"))
             await self._run_or_fail(self._run_chunk(src, start, deadline, conclude=last))
             ctx.metrics.observe("send_kv", time.monotonic() - t0)
             if last:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+from ._device import check_ready
 from .errors import InvalidArgument
 
 __all__ = ["KVStream"]
@@ -78,9 +79,7 @@ class KVStream:
         again = [x for x in ids if x not in self._left]
         if again:
             raise InvalidArgument(f"room {self.room}: layers {again} were already sent in this chunk")
-        if ready is not None and not callable(getattr(ready, "query", None)):
-            raise InvalidArgument(f"room {self.room}: ready= needs an object with a query() method (a CUDA "
-                                  f"event), got {type(ready).__name__}")
+        check_ready(ready, f"room {self.room}")
         self._left.difference_update(ids)
         complete = not self._left
         if ready is not None:

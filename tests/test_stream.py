@@ -333,3 +333,29 @@ async def test_an_abort_while_a_layer_waits_for_its_work_ends_the_wait_and_posts
             await asyncio.wait_for(call, 2)  # ends at once, not when the work is done
         await tx.released(timeout=10)
         assert mgr.stats().get("layer_writes", 0) == 0
+
+
+@pytest.mark.parametrize("with_ready", [True, False], ids=["ready", "negative-control"])
+async def test_send_kv_with_its_ready_event_moves_only_once_the_work_that_writes_the_pages_is_done(
+    engine: str, decode: RemotePeer, with_ready: bool
+) -> None:
+    """``send_kv`` takes ``ready=`` too: the whole forward pass's work, for a chunk sent after it."""
+    async with streamed_room(engine, decode, 16, 40, seed=15) as (_mgr, tx, bufs, src, dst):
+        before = [b.copy() for b in bufs]
+        work = LateWrite(bufs, list(range(len(bufs))), src, 0x77, 0.3)
+        await tx.send_kv(src, ready=work if with_ready else None, timeout=10)
+        work.join()
+        await tx.done(timeout=10)
+        assert (await decode.call("done", room=16))["status"] == "Success"
+        got = (await decode.call("digest", pages=dst))["digest"]
+        assert got == expected_digest(bufs if with_ready else before, src)
+
+
+async def test_send_kv_refuses_a_ready_without_query_before_taking_its_pages(engine: str,
+                                                                             decode: RemotePeer) -> None:
+    async with streamed_room(engine, decode, 17, 20) as (_mgr, tx, bufs, src, dst):
+        with pytest.raises(InvalidArgument, match=r"query\(\) method"):
+            await tx.send_kv(src, ready=42)
+        await tx.send_kv(src)  # the pages were not taken: the same chunk goes now
+        await tx.done(timeout=10)
+        assert (await decode.call("digest", pages=dst))["digest"] == expected_digest(bufs, src)

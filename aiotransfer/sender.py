@@ -550,13 +550,14 @@ class KVSender(RoomSide):
         finally:
             give_back()
 
-    async def send_state(self, states: Mapping[str, Any], *, timeout: float | None = None) -> None:
+    async def send_state(self, states: Mapping[str, Any], *, ready: Any = None, timeout: float | None = None) -> None:
         """Send per-request state: ``{kind: local indices}`` (one slot for ``mamba``; pages for ``swa``/``nsa``).
 
         Kinds and counts must match what decode declared in ``send_metadata``; a mismatch fails the room on
-        both sides with the reason.
+        both sides with the reason. ``ready``: the device work that writes the state, as for :meth:`send_kv`.
         """
         self._check_sendable()
+        check_ready(ready, f"room {self.room}")
         ctx = self._ctx
         if self.is_dummy:
             return  # a dummy rank sends nothing; its decode peers did not ask it for state
@@ -581,6 +582,8 @@ class KVSender(RoomSide):
         self.update(KVPoll.Transferring)
         give_back = self._ledger.take()  # before the first await: the room cannot be released under this call
         try:
+            if ready is not None:
+                await self._run_or_fail(wait_device_work(ready, deadline, f"room {self.room}: send_state"))
             await self._run_or_fail(asyncio.gather(*(
                 self._pusher.write_state(self._writes, d.peer, kind, np.asarray(idx, dtype=np.int64),
                                          np.asarray(d.request.state_indices[kind], dtype=np.int64), deadline)

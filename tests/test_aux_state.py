@@ -12,10 +12,11 @@ import pytest
 from aiotransfer import AuxPath, ConfigError, KVArgs, KVManager, KVPoll, TransferConfig, TransferFailed
 from aiotransfer.aux_state import MemPool, StateType, alloc_metadata_buffer, metadata_device, select_aux_path
 from aiotransfer.engines.base import EngineStatus
-from aiotransfer.errors import EngineError
+from aiotransfer.errors import EngineError, InvalidArgument
 from tests.conftest import expected_digest
 from tests.peer import make_buffers
 from tests.remote import RemoteError, RemotePeer
+from tests.test_stream import LateWrite
 
 GEO: dict[str, Any] = {"buffers": 2, "pages": 64, "item_len": 1024, "aux_buffers": 2, "aux_slots": 16, "aux_item_len": 256}
 STATE = ["mamba:2:8:512", "swa:2:64:1024", "nsa:1:64:256"]
@@ -270,3 +271,24 @@ async def test_decode_declares_state_prefill_lacks(engine: str, hybrid_decode: R
 
 def test_status_enum_guard() -> None:
     assert EngineStatus.DONE.is_terminal and not EngineStatus.PENDING.is_terminal
+
+
+@pytest.mark.parametrize("with_ready", [True, False], ids=["ready", "negative-control"])
+async def test_send_state_with_its_ready_event_moves_only_once_the_work_that_writes_it_is_done(
+    hybrid_prefill: KVManager, hybrid_decode: RemotePeer, with_ready: bool
+) -> None:
+    """The Mamba state slot is written 0.3 s after ``send_state`` is called: with ``ready=`` the new bytes
+    arrive; without it (the negative control) the old ones."""
+    mamba = hybrid_prefill.args.state_buffers["mamba"]
+    before = [np.array(b, copy=True) for b in mamba]
+    tx = await _open(hybrid_prefill, hybrid_decode, 31, aux=None, state={"mamba": [6]})
+    await tx.send_kv(list(range(8)))
+    work = LateWrite(list(mamba), list(range(len(mamba))), [1], 0x6D, 0.3)
+    with pytest.raises(InvalidArgument, match=r"query\(\) method"):
+        await tx.send_state({"mamba": [1]}, ready="soon")
+    await tx.send_state({"mamba": [1]}, ready=work if with_ready else None)
+    work.join()
+    await tx.done(timeout=10)
+    await hybrid_decode.call("done", room=31)
+    got = (await hybrid_decode.call("state_digest", kind="mamba", slots=[6]))["digest"]
+    assert got == expected_digest(mamba if with_ready else before, [1])

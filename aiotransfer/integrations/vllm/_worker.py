@@ -20,8 +20,6 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
-from ..._deadline import Deadline
-from ..._device import wait_device_work
 from ...args import KVArgs
 from ...errors import AiotransferError, TransferTimeout
 from ...manager import KVManager
@@ -286,11 +284,10 @@ class WorkerSide:
                     await fwd.finished(cfg.transfer_timeout)
                     ready = fwd.end_ready
                 await tx.wait_ready(timeout=cfg.lease)
-                if ready is not None:  # the pass's kernels are queued, maybe not done
-                    await wait_device_work(ready, Deadline(cfg.transfer_timeout), f"request {job.req_id}")
+                # ready: on a GPU the pass's kernels are queued, maybe not done; no byte moves before they are
                 if job.state_block is not None:
-                    await tx.send_state({STATE_KIND: [job.state_block]}, timeout=cfg.transfer_timeout)
-                await tx.send_kv(self._tail(tx, job), timeout=cfg.transfer_timeout)
+                    await tx.send_state({STATE_KIND: [job.state_block]}, ready=ready, timeout=cfg.transfer_timeout)
+                await tx.send_kv(self._tail(tx, job), ready=ready, timeout=cfg.transfer_timeout)
             await tx.done(timeout=cfg.transfer_timeout)
         except BaseException as exc:  # any failure, cancellation included, ends the room on both sides
             failure = _reason(exc)
@@ -320,11 +317,9 @@ class WorkerSide:
             async for layer, ready in fwd.layers(deadline - time.monotonic()):
                 send = stream.send_layers(layer, ready=ready, timeout=max(deadline - time.monotonic(), 0.001))
                 sends.append(asyncio.ensure_future(send))  # kept as it starts: a failure later still gathers it
-            if job.state_block is not None:  # the pass is over: its Mamba layers have written the state
-                if fwd.end_ready is not None:
-                    await wait_device_work(fwd.end_ready, Deadline(max(deadline - time.monotonic(), 0.001)),
-                                           f"request {job.req_id}: Mamba state")
-                await tx.send_state({STATE_KIND: [job.state_block]}, timeout=max(deadline - time.monotonic(), 0.001))
+            if job.state_block is not None:  # the pass is over: its Mamba layers have written (or queued) the state
+                await tx.send_state({STATE_KIND: [job.state_block]}, ready=fwd.end_ready,
+                                    timeout=max(deadline - time.monotonic(), 0.001))
         finally:
             if sends:
                 results = await asyncio.gather(*sends, return_exceptions=True)

@@ -476,6 +476,7 @@ async def test_staged_piece_failing_before_its_write_hands_the_decode_space_back
         # (the request came after the decode had heard of the failure, and was refused)
         assert sum(int(stats.get(k, 0)) for k in outcomes) >= 1, stats  # type: ignore[call-overload]
         assert stats["staging_bytes_in_use"] == 0, stats
+        await tx.released(timeout=10)  # the failed gather's thread has returned: its slice is free too
         assert mgr.stats()["staging_bytes_in_use"] == 0
 
 

@@ -573,6 +573,12 @@ def test_an_abort_that_comes_before_the_room_opens_ends_it_at_once(engine: str) 
         assert wait_received(decode, "r", 10) < 10  # not its 60 s transfer timeout
         assert decode.take_load_errors() == {5, 6}
         assert wait_sent(prefill, "s", 10) < 10  # not its 60 s lease
+        # The decode's room was opened and then aborted: its prefill heard why, and keeps the room's
+        # tombstone (a sender that opens there later fails at once instead of holding its blocks).
+        deadline = time.monotonic() + 10
+        while prefill.manager_stats()["tombstones"] < 1:
+            assert time.monotonic() < deadline, prefill.manager_stats()
+            time.sleep(0.01)
         for worker, failed in ((decode, "receives_failed"), (prefill, "sends_failed")):
             counts = worker.counts()
             assert counts["aborted"] == 1 and counts[failed] == 1, counts

@@ -246,10 +246,10 @@ class WorkerSide:
             bg.submit(lambda m: side.abort(reason))
 
     # -- one room --------------------------------------------------------------------------------
-    def _open(self, req_id: str, make: Callable[[KVManager], _Side]) -> _Side:
+    def _open(self, req_id: str, make: Callable[[KVManager], _Side]) -> tuple[_Side, str | None]:
         """Open a request's room with ``make(manager)``. Raises if it cannot be opened (a duplicate room,
-        too many rooms, the manager closed), or, once it is open, if vLLM ended the request meanwhile: the
-        room task then fails the room and reports the request."""
+        too many rooms, the manager closed). Returns the room, and the reason when vLLM ended the request
+        before it opened: the room task must then abort the room (its peer learns why) and report it."""
         try:
             side = make(self._require().manager)
         except BaseException as exc:
@@ -261,9 +261,7 @@ class WorkerSide:
         with self._lock:
             aborted = self._opening.pop(req_id, None)
             self._rooms[req_id] = side
-        if aborted is not None:
-            raise AiotransferError(aborted)
-        return side
+        return side, aborted
 
     async def _send(self, job: SendJob, fwd: ForwardPass | None, ready: Any = None) -> None:
         """Send one request's prompt. ``fwd``: the forward pass that computes it is still under way.
@@ -273,7 +271,9 @@ class WorkerSide:
         tx: KVSender | None = None
         failure: str | None = None
         try:
-            tx = self._open(job.req_id, lambda m: m.sender(job.room))
+            tx, ended = self._open(job.req_id, lambda m: m.sender(job.room))
+            if ended is not None:
+                raise AiotransferError(ended)
             asked = tx.num_pages is not None  # the decode asked before the prompt was computed (concurrent dispatch)
             if asked:
                 self.stats["sends_asked_early"] += 1
@@ -334,7 +334,9 @@ class WorkerSide:
         failure: str | None = None
         start = time.monotonic()
         try:
-            rx = self._open(job.req_id, lambda m: m.receiver(job.room, peer=job.endpoint))
+            rx, ended = self._open(job.req_id, lambda m: m.receiver(job.room, peer=job.endpoint))
+            if ended is not None:
+                raise AiotransferError(ended)
             states = {STATE_KIND: [job.state_block]} if job.state_block is not None else None
             await rx.send_metadata(list(job.block_ids), state_indices=states, timeout=cfg.transfer_timeout)
             await rx.done(timeout=max(cfg.transfer_timeout - (time.monotonic() - start), 0.001))

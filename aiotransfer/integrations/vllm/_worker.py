@@ -37,12 +37,6 @@ log = logging.getLogger("aiotransfer.integrations.vllm")
 _Side = TypeVar("_Side", KVSender, KVReceiver)
 
 
-def _cuda_device(tensor: Any) -> Any:
-    """``tensor``'s device when it is a CUDA one, else None."""
-    device = getattr(tensor, "device", None)
-    return device if getattr(device, "type", None) == "cuda" else None
-
-
 def _reason(exc: BaseException) -> str:
     """The reason a room ends with, for both sides and vLLM's log."""
     if not isinstance(exc, Exception):
@@ -72,9 +66,9 @@ class WorkerSide:
         self._state_bytes = 0
         self._by_request = False  # hybrid: failed loads are reported per request, not per block
         self._layer_index: dict[str, int] = {}  # layer name -> KV buffer (= layer id), for layer streaming
-        self._num_regions = 0  # hybrid models: the KV buffers (regions), each a "layer" for streaming
+        self._num_buffers = 0  # KV buffers registered, each a "layer" for streaming (a region, for hybrid models)
         self._pass: ForwardPass | None = None  # the forward pass under way, while it has rooms to push
-        self._device: Any = None  # the KV's CUDA device: sends wait for an event of the pass that wrote it
+        self._device: Any = None  # the KV's device: on CUDA, sends wait for an event of the pass that wrote it
         self.loads: collections.deque[tuple[str, float, int]] = collections.deque(maxlen=4096)
         """Recent successful loads: (request id, seconds from asking the prefill to the last byte, bytes)."""
         self.stats: dict[str, int] = {"sends": 0, "sends_asked_early": 0, "sends_streamed": 0, "sends_failed": 0, "sends_forgone": 0, "receives": 0,
@@ -93,7 +87,8 @@ class WorkerSide:
                                 else int(t[0].nbytes) for t in tensors)
         # One buffer per layer, in vLLM's order: buffer i holds layer i, which layer streaming pushes.
         args = KVArgs(tensors, page_size=block_size, dtype=dtype, tp_rank=0, tp_size=1, num_layers=len(tensors))
-        self._device = _cuda_device(tensors[0])
+        self._device = getattr(tensors[0], "device", None)  # device_event records nothing for host memory
+        self._num_buffers = len(tensors)
         if self._config.stream_layers:
             self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         return self._start(args, f"{len(tensors)} KV tensors of {dtype}")
@@ -131,11 +126,11 @@ class WorkerSide:
                       kv_layer_ids=list(range(len(buffers))))
         self._block_bytes = self._state_bytes = page * len(buffers)
         self._by_request = True
-        self._device = _cuda_device(next(iter(attention.values())))
+        self._device = getattr(next(iter(attention.values())), "device", None)
+        self._num_buffers = len(buffers)
         if self._config.stream_layers:
             region = {ptr: i for i, (ptr, _, _) in enumerate(kv)}
             self._layer_index = {name: region[_region_start(value)] for name, value in attention.items()}
-            self._num_regions = len(buffers)
         return self._start(args, f"{len(buffers)} regions of {page}-byte pages (attention KV and Mamba state)")
 
     @property
@@ -189,7 +184,7 @@ class WorkerSide:
             self._pass.abandon("vLLM began a step before the forward pass that computes the prompt ended")
             self._pass = None
         if orders.send:
-            self._pass = ForwardPass(bg.loop, self._num_regions or len(self._layer_index))
+            self._pass = ForwardPass(bg.loop, self._num_buffers)
             self.start_sends(orders, self._pass)
 
     def layer_written(self, layer_name: str) -> None:

@@ -94,6 +94,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="tokens per KV block (default 32; bench 128; hybrid: vLLM's choice)")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--kv-cache-mib", type=int, default=64)
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="the prefill engine's tokens per step: longer prompts are computed in chunks (chunked prefill)")
     p.add_argument("--max-tokens", type=int, default=8, help="decode tokens per request")
     p.add_argument("--transfer-timeout", type=float, default=10.0, help="connector transfer bound (s)")
     p.add_argument("--lease", type=float, default=10.0, help="prefill lease (s), both connector families")
@@ -151,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = sc.Options(model=model, workdir=workdir, block_size=ns.block_size, max_model_len=ns.max_model_len,
                       kv_cache_bytes=ns.kv_cache_mib << 20, max_tokens=ns.max_tokens,
                       transfer_timeout=ns.transfer_timeout, lease=ns.lease, policy=ns.policy,
-                      omp_split=ns.omp_split)
+                      omp_split=ns.omp_split, prefill_chunk=ns.prefill_chunk)
     if ns.prompts:
         with open(ns.prompts) as f:
             prompts = [list(map(int, x)) for x in json.load(f)]

@@ -36,7 +36,7 @@ def hybrid_run(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> di
     return run_harness(vllm_python, tmp_path_factory.mktemp("vllm-hybrid"), "pd", "--model", "hybrid",
                        "--kinds", ",".join(KINDS), "--lengths", ",".join(map(str, LENGTHS)),
                        "--negative-len", "200", "--max-tokens", str(MAX_TOKENS), "--transfer-timeout", "10",
-                       "--lease", "10", "--dispatch", "serial,concurrent")
+                       "--lease", "10", "--dispatch", "serial,concurrent", "--prefill-chunk", str(ATTENTION_BLOCK))
 
 
 def _run(result: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -83,7 +83,8 @@ def test_hybrid_negative_control_another_requests_state_and_kv_differ(hybrid_run
 def test_hybrid_concurrent_dispatch_streams_regions_and_gives_the_single_engines_tokens(hybrid_run: dict[str, Any],
                                                                                         kind: str) -> None:
     """The decode asked before the prompt was computed: the prefill pushed each attention region as its
-    layer was written and the Mamba state once the pass was over. Same tokens; the late-asking decode
+    layer was written, chunk by chunk (chunked prefill, one attention block per step), and the Mamba state
+    once the last chunk's pass was over. Same tokens; the late-asking decode
     (whole rooms) too; the negative control (rooms swapped) differs."""
     run = _run(hybrid_run, kind)
     conc = run["concurrent"]
@@ -98,6 +99,7 @@ def test_hybrid_concurrent_dispatch_streams_regions_and_gives_the_single_engines
         assert got != want, "decode in the other prompt's room gave the reference tokens: the test cannot fail"
     worker = run["stats"]["prefill"]["worker"]
     assert worker["sends_streamed"] == worker["sends_asked_early"] > 0, worker
+    assert worker["chunks_sent_early"] > 0, worker
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -19,6 +19,8 @@ from tests.vllm.harness import assert_no_leak, assert_within_budget, run_harness
 AIOTRANSFER_KINDS = ["aiotransfer-mooncake", "aiotransfer-nixl"]
 PD_KINDS = ["nixl", *AIOTRANSFER_KINDS]
 LENGTHS = [600, 100, 37, 257]  # 600 tokens span 19 blocks of 32; all four are in flight together
+PREFILL_CHUNK = 128
+"""The prefill's tokens per step: every prompt but the shortest is computed in chunks (chunked prefill)."""
 TRANSFER_TIMEOUT = 10.0
 LEASE = 10.0
 
@@ -37,7 +39,7 @@ def pd_run(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     return run_harness(vllm_python, tmp_path_factory.mktemp("vllm-pd"), "pd", "--kinds", ",".join(PD_KINDS),
                        "--lengths", ",".join(map(str, LENGTHS)), "--negative-len", "200", "--block-size", "32",
                        "--max-tokens", "8", "--transfer-timeout", str(TRANSFER_TIMEOUT), "--lease", str(LEASE),
-                       "--dispatch", "serial,concurrent")
+                       "--dispatch", "serial,concurrent", "--prefill-chunk", str(PREFILL_CHUNK))
 
 
 def test_reference_is_a_real_generation(pd_run: dict[str, Any]) -> None:
@@ -83,8 +85,9 @@ def test_pd_leaves_every_block_free(pd_run: dict[str, Any], kind: str) -> None:
 @pytest.mark.parametrize("kind", AIOTRANSFER_KINDS)
 def test_concurrent_dispatch_with_layer_streaming_gives_the_single_engines_tokens(pd_run: dict[str, Any],
                                                                                    kind: str) -> None:
-    """Each decode request asked before its prompt was computed: the prefill pushed its layers during the
-    forward pass. Same tokens, same bytes, and the negative control (rooms swapped) differs."""
+    """Each decode request asked before its prompt was computed: the prefill pushed each chunk's blocks layer
+    by layer during that chunk's forward pass. Same tokens, same bytes, and the negative control (rooms
+    swapped) differs."""
     run = pd_run["runs"][kind]
     assert "error" not in run, run["error"]
     conc = run["concurrent"]
@@ -113,6 +116,8 @@ def test_aiotransfer_connector_counts(pd_run: dict[str, Any], kind: str) -> None
     assert decode["worker"]["receives"] == 2 * n + late and decode["worker"]["receives_failed"] == 0, decode
     # every concurrent request but the late ones was asked for before its prompt was computed, and streamed
     assert prefill["worker"]["sends_asked_early"] == n and prefill["worker"]["sends_streamed"] == n, prefill
+    # and chunked prompts sent blocks before their last chunk was computed
+    assert prefill["worker"]["chunks_sent_early"] > 0 and prefill["worker"]["preempted"] == 0, prefill
     for stats in (prefill, decode):
         assert stats["worker"]["in_flight"] == 0 and stats["worker"]["withheld"] == 0, stats
         assert stats["scheduler"] == {"sending": 0, "receiving": 0, "prefilling": 0}, stats

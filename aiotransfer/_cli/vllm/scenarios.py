@@ -41,6 +41,8 @@ class Options:
     policy: str = "fail"
     step_timeout: float = 120.0
     """Bound on one generate command (all its requests)."""
+    prefill_chunk: int | None = None
+    """The prefill engine's token budget per step (chunked prefill), or ``None``: vLLM's default."""
     omp_split: bool = False
     """Run the prefill engine process (every thread, OpenMP's included) on core 0 and the decode's on core 1,
     as if each had its own host (a single engine: core 0)."""
@@ -76,7 +78,8 @@ class Pair:
         omp = (0, 1) if opts.omp_split else (None, None)
         t0 = time.monotonic()
         self.prefill, self.decode = start_engines([
-            engine_spec(opts, f"{tag}-prefill", kind, "prefill", omp_cpu=omp[0]),
+            engine_spec(opts, f"{tag}-prefill", kind, "prefill", omp_cpu=omp[0],
+                        max_num_batched_tokens=opts.prefill_chunk),
             engine_spec(opts, f"{tag}-decode", kind, "decode", omp_cpu=omp[1]),
         ])
         self.start_s = time.monotonic() - t0

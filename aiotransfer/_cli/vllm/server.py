@@ -40,7 +40,9 @@ class Server:
         self.spec = spec
         fields = kv_transfer_config(spec)
         ktc = KVTransferConfig(**fields) if fields is not None else None
-        sizing = {"block_size": spec.block_size} if spec.block_size is not None else {}
+        sizing: dict[str, Any] = {"block_size": spec.block_size} if spec.block_size is not None else {}
+        if spec.max_num_batched_tokens is not None:
+            sizing.update(max_num_batched_tokens=spec.max_num_batched_tokens, enable_chunked_prefill=True)
         self.llm: Any = LLM(model=spec.model, skip_tokenizer_init=True, enforce_eager=True,
                             max_model_len=spec.max_model_len, kv_cache_memory_bytes=spec.kv_cache_bytes,
                             enable_prefix_caching=False, kv_transfer_config=ktc, dtype=spec.dtype, seed=0,

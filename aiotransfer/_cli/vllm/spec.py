@@ -44,6 +44,8 @@ class EngineSpec:
     transfer_timeout: float = 10.0
     lease: float = 10.0
     """aiotransfer ``lease`` / NixlConnector ``kv_lease_duration`` (s)."""
+    max_num_batched_tokens: int | None = None
+    """vLLM's token budget per step; a prompt longer than it is computed in chunks (chunked prefill)."""
     omp_cpu: int | None = None
     """The one core the engine process runs on (its affinity, set before vLLM starts a thread, and
     ``VLLM_CPU_OMP_THREADS_BIND``), or ``None`` for any core and vLLM's default binding."""

@@ -115,7 +115,13 @@ class ConnectorConfig:
     release_timeout: float = 120.0
     stream_layers: bool = True
     """Prefill: push a room layer by layer during the forward pass when its decode has already asked
-    (concurrent dispatch). Dense models with their KV in CPU memory; others are sent whole after the pass."""
+    (concurrent dispatch). On a GPU each layer waits for its kernels; hybrid models send their Mamba state
+    once the pass is over."""
+    send_chunks: bool = True
+    """Prefill, chunked prefill: once the decode has asked, send the blocks each chunk's pass completes in
+    that pass (layer by layer with ``stream_layers``, else whole right after it), not all with the last
+    chunk. A request preempted between two chunks waits (``handle_preemptions``) until no write reads its
+    blocks before vLLM reuses them."""
     transfer: Mapping[str, Any] = field(default_factory=dict)
     """More :class:`~aiotransfer.TransferConfig` fields, passed through (e.g. ``checksum``)."""
 
@@ -123,7 +129,7 @@ class ConnectorConfig:
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
         extra = dict(extra or {})
         known = {"engine", "hostname", "port", "transfer_timeout", "lease", "release_timeout", "stream_layers",
-                 "transfer"}
+                 "send_chunks", "transfer"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"kv_connector_extra_config: unknown keys {unknown}; known: {sorted(known)}")
@@ -140,8 +146,10 @@ class ConnectorConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"kv_connector_extra_config {name}={value!r}: expected seconds > 0")
-        if not isinstance(self.stream_layers, bool):
-            raise ConfigError(f"kv_connector_extra_config stream_layers={self.stream_layers!r}: expected true or false")
+        for name in ("stream_layers", "send_chunks"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ConfigError(f"kv_connector_extra_config {name}={value!r}: expected true or false")
         if not isinstance(self.transfer, Mapping):
             raise ConfigError("kv_connector_extra_config transfer: expected a dict of TransferConfig fields")
 

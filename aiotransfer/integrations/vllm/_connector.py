@@ -87,6 +87,15 @@ def cache_groups(kv_cache_config: Any) -> CacheGroups:
     return CacheGroups(attention=attention[0], mamba=mamba[0] if mamba else None, mamba_spec_blocks=spec_blocks)
 
 
+def _attention_block_size(kv_cache_config: Any, groups: CacheGroups, default: int) -> int:
+    """Tokens per block of the attention KV the connector moves: on hybrid models vLLM sizes it to hold a
+    Mamba state page, which ``cache_config.block_size`` (``default``) need not say."""
+    found = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(found) > groups.attention:
+        return int(getattr(found[groups.attention].kv_cache_spec, "block_size", default) or default)
+    return default
+
+
 class AiotransferConnector(KVConnectorBase_V1, SupportsHMA):
     """KV connector moving a request's KV from a prefill to a decode vLLM instance with aiotransfer.
 
@@ -111,7 +120,8 @@ class AiotransferConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self._config, self._block_ids_of, self._groups)
+            self._scheduler = SchedulerSide(self._config, self._block_ids_of, self._groups,
+                                            _attention_block_size(kv_cache_config, self._groups, self._block_size))
         else:
             self._worker = WorkerSide(self._config)
 
@@ -147,6 +157,12 @@ class AiotransferConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker_side.start_receives(meta.orders)
             if self.worker_side.streams_layers:
                 self.worker_side.begin_pass(meta.orders)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # Before this step's pass may overwrite them: no write may still read a preempted request's blocks.
+        assert isinstance(kv_connector_metadata, AiotransferMetadata)
+        if kv_connector_metadata.orders.preempted:
+            self.worker_side.handle_preemptions(kv_connector_metadata.orders)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are asynchronous: a request runs only once its whole KV has landed
@@ -217,7 +233,8 @@ class AiotransferConnector(KVConnectorBase_V1, SupportsHMA):
                                         self._groups.state_block(groups))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return AiotransferMetadata(self.scheduler_side.build_orders(scheduler_output.num_scheduled_tokens))
+        return AiotransferMetadata(self.scheduler_side.build_orders(scheduler_output.num_scheduled_tokens,
+                                                                    scheduler_output.preempted_req_ids or ()))
 
     def update_connector_output(self, connector_output: Any) -> None:
         self.scheduler_side.on_worker_output(connector_output.finished_sending or (),

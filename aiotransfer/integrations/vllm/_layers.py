@@ -1,4 +1,5 @@
-"""Layer-pipelined push on the prefill: one forward pass, as the connector's loop thread sees it.
+"""Layer-pipelined push on the prefill: one forward pass, and one prompt's chunks, as the connector's loop
+thread sees them.
 
 vLLM's model runner calls ``save_kv_layer`` from its own thread after each attention layer has written its
 KV; :class:`ForwardPass` carries that, one loop wake-up per layer, to the rooms on the connector's event
@@ -12,6 +13,7 @@ event recorded then (:func:`device_event`), and the layer's bytes move only once
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
@@ -20,7 +22,7 @@ from typing import Any
 from ..._deadline import within
 from ...errors import AiotransferError, TransferTimeout
 
-__all__ = ["ForwardPass", "device_event"]
+__all__ = ["ChunkFeed", "ForwardPass", "device_event"]
 
 
 def device_event(device: Any) -> Any:
@@ -108,19 +110,82 @@ class ForwardPass:
                 raise AiotransferError(self._abandoned)
             if self._over.is_set():
                 return
-            await self._wait(self._progress, deadline - time.monotonic(), "the forward pass")
+            await _wait(self._progress, deadline - time.monotonic(), "the forward pass")
 
     async def finished(self, timeout: float) -> None:
         """Until the pass is over; raises if it was abandoned, or after ``timeout`` seconds."""
-        await self._wait(self._over, timeout, "the forward pass")
+        await _wait(self._over, timeout, "the forward pass")
         if self._abandoned is not None:
             raise AiotransferError(self._abandoned)
 
-    @staticmethod
-    async def _wait(event: asyncio.Event, timeout: float, what: str) -> None:
-        if event.is_set():
-            return
+
+async def _wait(event: asyncio.Event, timeout: float, what: str) -> None:
+    if event.is_set():
+        return
+    try:
+        await within(event.wait(), max(timeout, 0.0))
+    except asyncio.TimeoutError:
+        raise TransferTimeout(f"{what} did not end within {timeout:.3g} s") from None
+
+
+class ChunkFeed:
+    """The steps that compute one prefill request's prompt, chunk by chunk, in the order vLLM runs them:
+    :meth:`put` and :meth:`close` are called from vLLM's thread; the room's task takes them with :meth:`next`
+    on ``loop``. A job the task has taken is under way until it asks for the next one (or ends)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._jobs: collections.deque[Any] = collections.deque()
+        self._more = asyncio.Event()
+        self._idle = asyncio.Event()  # set while no job is under way
+        self._idle.set()
+        self._closed: str | None = None
+
+    # -- vLLM's thread -----------------------------------------------------------------------------
+    def put(self, job: Any) -> None:
+        """The next step's job."""
+        with contextlib.suppress(RuntimeError):  # a closed loop: the room has failed already
+            self._loop.call_soon_threadsafe(self._put, job)
+
+    def close(self, reason: str) -> None:
+        """No more jobs: the room's task fails with ``reason`` when it next asks for one."""
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self.close_now, reason)
+
+    # -- the loop thread ---------------------------------------------------------------------------
+    def _put(self, job: Any) -> None:
+        if self._closed is None:
+            self._jobs.append(job)
+            self._more.set()
+
+    def close_now(self, reason: str) -> None:
+        if self._closed is None:
+            self._closed = reason
+            self._more.set()
+
+    async def next(self, timeout: float) -> Any:
+        """The next job, once vLLM has handed it over; raises after ``timeout`` seconds without one, or
+        once the feed is closed. The job taken before is over."""
+        self.done()
+        while not self._jobs:
+            if self._closed is not None:
+                raise AiotransferError(self._closed)
+            self._more.clear()
+            await _wait(self._more, timeout, "the prompt's next chunk")
+        self._idle.clear()
+        return self._jobs.popleft()
+
+    def done(self) -> None:
+        """The job under way is over (the task takes no more)."""
+        self._idle.set()
+
+    async def preempted(self, timeout: float) -> bool:
+        """vLLM has taken the request's blocks back: the jobs not yet taken are dropped (their blocks are no
+        longer the request's), and this waits until the job under way is over, so that no write reads
+        them any more. False if it is not over within ``timeout`` seconds."""
+        self._jobs.clear()
         try:
-            await within(event.wait(), max(timeout, 0.0))
-        except asyncio.TimeoutError:
-            raise TransferTimeout(f"{what} did not end within {timeout:.3g} s") from None
+            await _wait(self._idle, timeout, "the preempted chunk's writes")
+        except TransferTimeout:
+            return False
+        return True

@@ -28,13 +28,30 @@ log = logging.getLogger("aiotransfer.integrations.vllm")
 
 @dataclass(frozen=True)
 class SendJob:
-    """Prefill worker: the request's prompt is computed in this step; hold a sender for its room."""
+    """Prefill worker: this step computes (the next chunk of) the request's prompt; hold a sender for its
+    room, opened with the request's first such job."""
 
     req_id: str
     room: int
     block_ids: tuple[int, ...]
+    """The request's blocks so far (every block of the prompt, on its last chunk)."""
     state_block: int | None = None
-    """A hybrid model's Mamba state block (sent with ``send_state``), or ``None``."""
+    """A hybrid model's Mamba state block (sent with ``send_state``, on the last chunk), or ``None``."""
+    last: bool = True
+    """This step computes the prompt's last token. Otherwise, a chunk of chunked prefill: its pass completes
+    the first :attr:`complete` blocks, of :attr:`total`."""
+    complete: int | None = None
+    """Blocks of the prompt whose every token is computed once this step's pass is over (None: all)."""
+    total: int | None = None
+    """Blocks of the whole prompt (None: ``len(block_ids)``, as on the last chunk)."""
+
+    @property
+    def num_complete(self) -> int:
+        return len(self.block_ids) if self.complete is None else self.complete
+
+    @property
+    def num_total(self) -> int:
+        return len(self.block_ids) if self.total is None else self.total
 
 
 @dataclass(frozen=True)
@@ -59,9 +76,12 @@ class Orders:
     """Requests whose room the worker must abort (the request ended before its transfer did)."""
     forgo: list[tuple[int, str]] = field(default_factory=list)
     """(room, prefill endpoint) the decode will never ask for: tell the prefill to free its blocks now."""
+    preempted: list[str] = field(default_factory=list)
+    """Prefill requests preempted between two chunks: vLLM has taken their blocks back, and may overwrite
+    them in this step; no write may read them any more (``handle_preemptions``)."""
 
     def __bool__(self) -> bool:
-        return bool(self.send or self.recv or self.abort or self.forgo)
+        return bool(self.send or self.recv or self.abort or self.forgo or self.preempted)
 
 
 class SchedulerSide:
@@ -73,8 +93,9 @@ class SchedulerSide:
     """
 
     def __init__(self, config: ConnectorConfig, block_ids_of: Callable[[str], Sequence[Sequence[int]]],
-                 groups: CacheGroups | None = None) -> None:
+                 groups: CacheGroups | None = None, block_size: int | None = None) -> None:
         self._config = config
+        self._block_size = block_size if config.send_chunks else None  # None: a prompt goes with its last chunk
         self._block_ids_of = block_ids_of
         self._groups = groups if groups is not None else CacheGroups()
         self._endpoints: dict[int, str] = {}
@@ -141,18 +162,36 @@ class SchedulerSide:
         self._receiving[request.request_id] = remote.room
 
     # -- every step ------------------------------------------------------------------------------
-    def build_orders(self, num_scheduled_tokens: Mapping[str, int]) -> Orders:
+    def build_orders(self, num_scheduled_tokens: Mapping[str, int], preempted: Iterable[str] = ()) -> Orders:
         """This step's orders. A prefill request whose last prompt token is scheduled now gets its
-        sender: the worker starts it after the forward pass, once the KV is written."""
+        sender: the worker starts it after the forward pass, once the KV is written. With chunked prefill
+        (and ``send_chunks``), each earlier chunk gets a job too: the sender opens with the first, and the
+        blocks each chunk completes can go while the next chunks compute. ``preempted``: vLLM's
+        ``preempted_req_ids`` of this step."""
+        for req_id in preempted:
+            if req_id in self._sending and req_id in self._prefilling:
+                self._orders.preempted.append(req_id)
         for req_id, request in list(self._prefilling.items()):
             scheduled = num_scheduled_tokens.get(req_id, 0)
-            if scheduled and request.num_computed_tokens + scheduled >= request.num_prompt_tokens:
+            if not scheduled:
+                continue
+            computed = request.num_computed_tokens + scheduled
+            last = computed >= request.num_prompt_tokens
+            if not last and self._block_size is None:
+                continue
+            room = self._sending.get(req_id)
+            if room is None:
+                room = self._sending[req_id] = self._room(request)
+            groups = self._block_ids_of(req_id)
+            pages = tuple(self._groups.pages(groups))
+            if last:
                 del self._prefilling[req_id]
-                room = self._room(request)
-                groups = self._block_ids_of(req_id)
-                self._orders.send.append(SendJob(req_id, room, tuple(self._groups.pages(groups)),
-                                                 self._groups.state_block(groups)))
-                self._sending[req_id] = room
+                self._orders.send.append(SendJob(req_id, room, pages, self._groups.state_block(groups)))
+            else:
+                assert self._block_size is not None
+                total = -(-request.num_prompt_tokens // self._block_size)
+                self._orders.send.append(SendJob(req_id, room, pages, last=False,
+                                                 complete=min(computed // self._block_size, len(pages)), total=total))
         orders, self._orders = self._orders, Orders()
         return orders
 

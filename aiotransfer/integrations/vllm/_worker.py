@@ -27,7 +27,7 @@ from ...receiver import KVReceiver
 from ...sender import KVSender
 from .._sync import BackgroundManager
 from ._config import FORGONE, STATE_KIND, ConnectorConfig
-from ._layers import ForwardPass, device_event
+from ._layers import ChunkFeed, ForwardPass, device_event
 from ._scheduler import Orders, RecvJob, SendJob
 
 __all__ = ["WorkerSide"]
@@ -58,6 +58,7 @@ class WorkerSide:
         self._sent: set[str] = set()  # finished sends (released) not yet reported
         self._received: set[str] = set()  # finished receives (released) not yet reported
         self._sends: set[str] = set()  # requests with a send not yet reported
+        self._feeds: dict[str, ChunkFeed] = {}  # req_id -> its prompt's steps, while its room task runs
         self._finished_ids: set[str] = set()  # of those, the ones vLLM has declared finished
         self._load_errors: set[int] = set()
         self._failed: set[str] = set()
@@ -71,8 +72,9 @@ class WorkerSide:
         self._device: Any = None  # the KV's device: on CUDA, sends wait for an event of the pass that wrote it
         self.loads: collections.deque[tuple[str, float, int]] = collections.deque(maxlen=4096)
         """Recent successful loads: (request id, seconds from asking the prefill to the last byte, bytes)."""
-        self.stats: dict[str, int] = {"sends": 0, "sends_asked_early": 0, "sends_streamed": 0, "sends_failed": 0, "sends_forgone": 0, "receives": 0,
-                                      "receives_failed": 0, "forgone": 0, "aborted": 0, "withheld": 0}
+        self.stats: dict[str, int] = {"sends": 0, "sends_asked_early": 0, "sends_streamed": 0, "chunks_sent_early": 0,
+                                      "sends_failed": 0, "sends_forgone": 0, "receives": 0, "receives_failed": 0,
+                                      "forgone": 0, "aborted": 0, "preempted": 0, "withheld": 0}
 
     # -- start and stop --------------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, Any], block_size: int) -> str:
@@ -164,15 +166,51 @@ class WorkerSide:
             bg.submit(functools.partial(self._forgo, room=room, endpoint=endpoint))
 
     def start_sends(self, orders: Orders, fwd: ForwardPass | None = None) -> None:
-        """Hold a sender per request whose prompt this step computes. Called after the forward pass (the
-        prompt's KV is written, or on a GPU queued to be: the sends wait for an event recorded now), or,
-        with layer streaming, before it with the pass (:meth:`begin_pass`)."""
+        """Hold a sender per request whose prompt (or a chunk of it) this step computes, opened with the
+        request's first job; each later job goes to the same room. Called after the forward pass (the
+        KV is written, or on a GPU queued to be: the sends wait for an event recorded now), or, with layer
+        streaming, before it with the pass (:meth:`begin_pass`)."""
         bg = self._require()
         ready = device_event(self._device) if fwd is None and orders.send else None
         for job in orders.send:
             with self._lock:
-                self._sends.add(job.req_id)
-            self._spawn(bg, job.req_id, functools.partial(self._send, job, fwd, ready))
+                feed = self._feeds.get(job.req_id)
+                first = feed is None and job.req_id not in self._sends
+                if first:
+                    feed = self._feeds[job.req_id] = ChunkFeed(bg.loop)
+                    self._sends.add(job.req_id)
+            if feed is None:
+                continue  # its room has ended (failed between two chunks): it is reported as it is
+            feed.put((job, fwd, ready))
+            if first:
+                self._spawn(bg, job.req_id, functools.partial(self._send, job.req_id, job.room, feed))
+
+    def handle_preemptions(self, orders: Orders) -> None:
+        """vLLM's ``handle_preemptions``, before a step whose pass may overwrite the blocks of the requests
+        it preempted: returns once no write reads them any more. A chunk whose writes do not end within
+        ``transfer_timeout`` fails its room first, so what they read then can never be taken as the KV."""
+        bg = self._require()
+        for req_id in orders.preempted:
+            with self._lock:
+                feed = self._feeds.get(req_id)
+            if feed is None:
+                continue
+            self.stats["preempted"] += 1
+            try:
+                bg.submit(functools.partial(self._settle, req_id=req_id, feed=feed)).result(
+                    self._config.transfer_timeout + 5.0)
+            except Exception as exc:  # the loop is gone (shutting down): its rooms have failed already
+                log.warning("aiotransfer: request %s preempted: %s", req_id, _reason(exc))
+
+    async def _settle(self, _: KVManager, req_id: str, feed: ChunkFeed) -> None:
+        if await feed.preempted(self._config.transfer_timeout):
+            return
+        reason = f"vLLM preempted request {req_id} while a chunk's write still read its blocks"
+        feed.close_now(reason)
+        with self._lock:
+            side = self._rooms.get(req_id)
+        if side is not None:
+            await side.abort(reason)
 
     # -- layer streaming (prefill) ---------------------------------------------------------------
     def begin_pass(self, orders: Orders) -> None:
@@ -237,6 +275,10 @@ class WorkerSide:
         if side is None and not opening:
             return  # already concluded: its report is on its way
         self.stats["aborted"] += 1
+        with self._lock:
+            feed = self._feeds.get(req_id)
+        if feed is not None:
+            feed.close(reason)  # a room waiting for its prompt's next chunk ends
         if side is not None:
             bg.submit(lambda m: side.abort(reason))
 
@@ -258,22 +300,37 @@ class WorkerSide:
             self._rooms[req_id] = side
         return side, aborted
 
-    async def _send(self, job: SendJob, fwd: ForwardPass | None, ready: Any = None) -> None:
-        """Send one request's prompt. ``fwd``: the forward pass that computes it is still under way.
-        ``ready``: the device event of the pass that computed it (KV on a GPU)."""
+    async def _send(self, req_id: str, room: int, feed: ChunkFeed) -> None:
+        """Send one request's prompt, as vLLM's steps compute it (``feed``). Each job carries the step's
+        forward pass while it is still under way (layer streaming), or the device event of the pass that
+        computed it (KV on a GPU). With chunked prefill, once the decode has asked, each chunk's complete
+        blocks go in their own step; the rest go with the last chunk."""
         cfg = self._config
         self.stats["sends"] += 1
         tx: KVSender | None = None
         failure: str | None = None
         try:
-            tx, ended = self._open(job.req_id, lambda m: m.sender(job.room))
+            tx, ended = self._open(req_id, lambda m: m.sender(room))
             if ended is not None:
                 raise AiotransferError(ended)
+            sent = _Sent()
+            while True:
+                job, fwd, ready = await feed.next(cfg.transfer_timeout)
+                if job.last:
+                    break
+                blocks = sent.take(tx, job) if tx.num_pages is not None else ()  # asked: this chunk's blocks go now
+                if blocks:
+                    self.stats["chunks_sent_early"] += 1
+                    if fwd is not None:
+                        await self._push_layers(tx, blocks, fwd, last=False)
+                    else:
+                        await tx.send_kv(blocks, last=False, ready=ready, timeout=cfg.transfer_timeout)
             asked = tx.num_pages is not None  # the decode asked before the prompt was computed (concurrent dispatch)
             if asked:
                 self.stats["sends_asked_early"] += 1
             if fwd is not None and asked and tx.num_pages:
-                await self._push_layers(tx, job, fwd)
+                self.stats["sends_streamed"] += 1
+                await self._push_layers(tx, sent.take(tx, job), fwd, last=True, state_block=job.state_block)
             else:
                 if fwd is not None:
                     await fwd.finished(cfg.transfer_timeout)
@@ -282,7 +339,7 @@ class WorkerSide:
                 # ready: on a GPU the pass's kernels are queued, maybe not done; no byte moves before they are
                 if job.state_block is not None:
                     await tx.send_state({STATE_KIND: [job.state_block]}, ready=ready, timeout=cfg.transfer_timeout)
-                await tx.send_kv(self._tail(tx, job), ready=ready, timeout=cfg.transfer_timeout)
+                await tx.send_kv(sent.take(tx, job), ready=ready, timeout=cfg.transfer_timeout)
             await tx.done(timeout=cfg.transfer_timeout)
         except BaseException as exc:  # any failure, cancellation included, ends the room on both sides
             failure = _reason(exc)
@@ -291,29 +348,25 @@ class WorkerSide:
             if not isinstance(exc, Exception):
                 raise
         finally:
-            await self._conclude(job.req_id, job.room, tx, failure, sending=True, blocks=())
+            feed.done()
+            with self._lock:
+                self._feeds.pop(req_id, None)
+            await self._conclude(req_id, room, tx, failure, sending=True, blocks=())
 
-    @staticmethod
-    def _tail(tx: KVSender, job: SendJob) -> tuple[int, ...]:
-        """The blocks the decode asked for: the prompt's tail (a local prefix-cache hit covers its head)."""
-        wanted = tx.num_pages or 0
-        if wanted > len(job.block_ids):
-            raise AiotransferError(f"decode asked for {wanted} blocks; the prompt has {len(job.block_ids)}")
-        return job.block_ids[len(job.block_ids) - wanted:]
-
-    async def _push_layers(self, tx: KVSender, job: SendJob, fwd: ForwardPass) -> None:
-        """Push each layer's blocks as soon as the forward pass has written it, in the order it writes them:
-        the writes of one layer run while the pass computes the next, and the last one concludes the room."""
+    async def _push_layers(self, tx: KVSender, blocks: tuple[int, ...], fwd: ForwardPass, *, last: bool,
+                           state_block: int | None = None) -> None:
+        """Push each layer of ``blocks`` as soon as the forward pass has written it, in the order it writes
+        them: the writes of one layer run while the pass computes the next, and on the ``last`` chunk the
+        last one concludes the room."""
         deadline = time.monotonic() + self._config.transfer_timeout
-        stream = tx.stream(self._tail(tx, job))
-        self.stats["sends_streamed"] += 1
+        stream = tx.stream(blocks, last=last)
         sends: list[asyncio.Future[None]] = []
         try:
             async for layer, ready in fwd.layers(deadline - time.monotonic()):
                 send = stream.send_layers(layer, ready=ready, timeout=max(deadline - time.monotonic(), 0.001))
                 sends.append(asyncio.ensure_future(send))  # kept as it starts: a failure later still gathers it
-            if job.state_block is not None:  # the pass is over: its Mamba layers have written (or queued) the state
-                await tx.send_state({STATE_KIND: [job.state_block]}, ready=fwd.end_ready,
+            if state_block is not None:  # the pass is over: its Mamba layers have written (or queued) the state
+                await tx.send_state({STATE_KIND: [state_block]}, ready=fwd.end_ready,
                                     timeout=max(deadline - time.monotonic(), 0.001))
         finally:
             if sends:
@@ -425,6 +478,29 @@ class WorkerSide:
     async def _forgo(mgr: KVManager, room: int, endpoint: str) -> None:
         rx = mgr.receiver(room, peer=endpoint)
         await rx.abort(FORGONE)
+
+
+class _Sent:
+    """How far a prompt's blocks have gone to the decode, chunk after chunk."""
+
+    def __init__(self) -> None:
+        self.upto = 0  # the prompt's blocks before this went, or the decode had them (a prefix-cache hit)
+        self.total: int | None = None  # the prompt's block count the chunks sent so far assumed
+
+    def take(self, tx: KVSender, job: SendJob) -> tuple[int, ...]:
+        """The blocks of ``job`` to send now: those its step completed that the decode asked for (the
+        prompt's tail: a prefix-cache hit on the decode covers its head) and that have not gone yet."""
+        total, wanted = job.num_total, tx.num_pages or 0
+        if self.total is not None and total != self.total:
+            raise AiotransferError(f"the prompt's blocks changed from {self.total} to {total} between its chunks")
+        if wanted > total:
+            raise AiotransferError(f"decode asked for {wanted} blocks; the prompt has {total}")
+        start, end = max(self.upto, total - wanted), job.num_complete
+        self.upto = max(self.upto, end)
+        if end <= start:
+            return ()
+        self.total = total
+        return job.block_ids[start:end]
 
 
 def _dtype(layers: Mapping[str, Any]) -> str:

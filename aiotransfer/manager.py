@@ -189,7 +189,7 @@ class KVManager:
             ctx.poller_or_none = Poller(
                 engine, ctx.offload, max_in_flight=cfg.max_entries_in_flight, max_batch=cfg.max_batch_entries,
                 interval_min=cfg.poll_interval_min, interval_max=cfg.poll_interval_max,
-                inline_submit_max=1 if engine.traits.cheap_submit else 0,
+                inline_submit_max=engine.traits.inline_entries if engine.traits.cheap_submit else 0,
             )
             ctx.control_or_none = self._make_control_plane()
             await ctx.control_or_none.start()

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 def test_trait_defaults_live_in_one_place() -> None:
     assert EngineTraits() == EngineTraits(
-        cheap_submit=False, quiet_threads=False, entry_cost_s=30e-6, bandwidth_bps=2e9
+        cheap_submit=False, inline_entries=1, quiet_threads=False, entry_cost_s=30e-6, bandwidth_bps=2e9
     )
     base = EngineBase()
     assert base.traits == EngineTraits() and base.probe_region is None
@@ -53,7 +53,7 @@ def test_adapters_declare_their_traits() -> None:
     from aiotransfer.engines.mori import MoriEngine
     from aiotransfer.engines.nixl import NixlEngine
 
-    assert mc.MooncakeEngine.traits == EngineTraits(cheap_submit=True, quiet_threads=True)
+    assert mc.MooncakeEngine.traits == EngineTraits(cheap_submit=True, inline_entries=8, quiet_threads=True)
     assert (NixlEngine.traits.cheap_submit, NixlEngine.traits.quiet_threads) == (False, False)
     assert NixlEngine.traits.entry_cost_s < mc.MooncakeEngine.traits.entry_cost_s
     assert MoriEngine.traits == EngineTraits(entry_cost_s=5e-6, bandwidth_bps=20e9)
@@ -277,3 +277,91 @@ def test_nixl_few_entry_descriptors_equal_the_vectorised_ones(
     lengths = np.array([n for _, n in picks], dtype=np.uint64)
     few = _descriptors_or_error(lambda: table.few_descs(addrs.tolist(), lengths.tolist(), "source"))
     assert few == _descriptors_or_error(lambda: nixl._descs_vectorised(table, addrs, lengths, "source"))
+
+
+# -- Mooncake's few-entry writes ---------------------------------------------------------------------
+class _Native:
+    """Mooncake's one-entry calls as a script: ``transfer_submit_write`` refuses the entries in ``refuse``;
+    each posted entry stays pending until :meth:`end` gives its status, and its id is freed when
+    ``transfer_check_status`` reports it over (asking again is the use-after-free the adapter must avoid)."""
+
+    def __init__(self, refuse: tuple[int, ...] = ()) -> None:
+        self.refuse = frozenset(refuse)
+        self.posted: list[int] = []
+        self.ended: dict[int, int] = {}
+        self.freed: set[int] = set()
+
+    def transfer_submit_write(self, name: str, src: int, dst: int, length: int) -> int:
+        if len(self.posted) + len(self.freed) in self.refuse:
+            self.refuse = self.refuse - {len(self.posted) + len(self.freed)}
+            return 0
+        bid = 100 + len(self.posted)
+        self.posted.append(bid)
+        return bid
+
+    def transfer_check_status(self, bid: int) -> int:
+        assert bid not in self.freed, f"entry {bid} asked after it was freed"
+        rc = self.ended.get(bid, 0)
+        if rc != 0:
+            self.freed.add(bid)
+        return rc
+
+    def end(self, bid: int, rc: int = 1) -> None:
+        self.ended[bid] = rc
+
+
+def _mooncake_over(native: _Native) -> mc.MooncakeEngine:
+    engine = object.__new__(mc.MooncakeEngine)
+    engine._shared = type("Shared", (), {"native": native, "names": {}})()
+    return engine
+
+
+def _blocks(n: int) -> Any:
+    from aiotransfer.plan import Blocks
+
+    return Blocks(np.arange(n, dtype=np.uint64) * 4096 + 4096, np.arange(n, dtype=np.uint64) * 4096 + 65536,
+                  np.full(n, 4096, dtype=np.uint64))
+
+
+def test_a_mooncake_write_of_a_few_entries_is_done_once_every_entry_is() -> None:
+    from aiotransfer.engines.base import EngineStatus, WaitMode
+
+    native = _Native()
+    engine = _mooncake_over(native)
+    handle = engine.submit_write("peer", _blocks(3))
+    assert (handle.mode, handle.entries, native.posted) == (WaitMode.POLL, 3, [100, 101, 102])
+    assert engine.check(handle) is EngineStatus.PENDING
+    native.end(101)
+    native.end(100)
+    assert engine.check(handle) is EngineStatus.PENDING, "an entry is still in flight"
+    native.end(102)
+    assert engine.check(handle) is EngineStatus.DONE and native.freed == {100, 101, 102}
+
+
+def test_a_mooncake_entry_refused_after_others_were_posted_fails_the_write_only_once_they_are_over() -> None:
+    from aiotransfer.engines.base import EngineStatus
+
+    native = _Native(refuse=(2,))
+    engine = _mooncake_over(native)
+    handle = engine.submit_write("peer", _blocks(4))  # entries 0 and 1 are posted: it must not raise
+    assert native.posted == [100, 101] and handle.error is not None and "refused entry 2" in handle.error
+    assert engine.check(handle) is EngineStatus.PENDING, "posted entries may still read the memory"
+    native.end(100)
+    native.end(101, rc=-1)
+    assert engine.check(handle) is EngineStatus.FAILED and "refused entry 2" in str(handle.error)
+    first = _Native(refuse=(0,))
+    with pytest.raises(EngineError, match="refused entry 0"):  # nothing posted: the submission itself fails
+        _mooncake_over(first).submit_write("peer", _blocks(2))
+    assert first.posted == []
+
+
+def test_a_mooncake_entry_that_fails_fails_the_write_once_every_entry_is_over() -> None:
+    from aiotransfer.engines.base import EngineStatus
+
+    native = _Native()
+    engine = _mooncake_over(native)
+    handle = engine.submit_write("peer", _blocks(2))
+    native.end(100, rc=-2)
+    assert engine.check(handle) is EngineStatus.PENDING
+    native.end(101)
+    assert engine.check(handle) is EngineStatus.FAILED and "engine timeout" in str(handle.error)

@@ -257,9 +257,9 @@ def test_single_entry_write_is_byte_exact(rig: Rig) -> None:
     assert rig.peer.crc(700_000, 250_000) == src_crc(rig, 123_456, 250_000)
 
 
-@pytest.mark.parametrize("entries", [1, 3])  # Mooncake: a POLL handle, then a BLOCK one
+@pytest.mark.parametrize("entries", [1, 3, 9])  # Mooncake: POLL handles of one and three entries, then a BLOCK one
 def test_handle_is_one_shot_and_never_touches_native(rig: Rig, monkeypatch: pytest.MonkeyPatch, entries: int) -> None:
-    handle = write(rig, [0, 2000, 4000][:entries], [960_000, 962_000, 964_000][:entries], [1000] * entries)
+    handle = write(rig, [2000 * i for i in range(entries)], [940_000 + 2000 * i for i in range(entries)], [1000] * entries)
     assert drive(rig.engine, handle) is EngineStatus.DONE
     assert handle.consumed
 

@@ -129,8 +129,10 @@ class EngineTraits:
     """
 
     cheap_submit: bool = False
-    """``submit_write`` of one entry only queues work: the poll loop calls it from the event loop instead of
-    the executor."""
+    """``submit_write`` of a few entries only queues work: the poll loop calls it from the event loop instead
+    of the executor, for writes of up to :attr:`inline_entries` entries."""
+    inline_entries: int = 1
+    """With :attr:`cheap_submit`, the most entries a write submitted from the event loop may have."""
     quiet_threads: bool = False
     """The engine's own threads block while idle: after a ``Success`` the loop may yield its CPU
     (``TransferConfig.yield_after_notify``), and ``engine_threads="background"`` may put them at idle
@@ -141,7 +143,7 @@ class EngineTraits:
     """Throughput of one peer connection in bytes per second: the other constant of the staging cost model."""
 
     def __post_init__(self) -> None:
-        if self.entry_cost_s < 0 or self.bandwidth_bps <= 0:
+        if self.entry_cost_s < 0 or self.bandwidth_bps <= 0 or self.inline_entries < 0:
             raise ValueError(
                 f"invalid engine traits entry_cost_s={self.entry_cost_s} bandwidth_bps={self.bandwidth_bps}"
             )

@@ -213,3 +213,17 @@ def test_a_decode_that_asks_between_chunks_gets_the_blocks_computed_before_with_
         assert out["digest"] == digest(kv, list(SRC))
         wait_sent(prefill, "r", 10)
         assert prefill.counts()["chunks_sent_early"] == 1, prefill.counts()
+
+
+@pytest.mark.parametrize(("kind", "engine", "stream", "chunks"), [
+    ("aiotransfer-nixl-spin", "nixl", True, True),
+    ("aiotransfer-mooncake-whole", "mooncake_tcp", False, True),
+    ("aiotransfer-nixl-spin-nochunks", "nixl", True, False),
+])
+def test_the_harness_kinds_configure_the_connector_as_named(kind: str, engine: str, stream: bool, chunks: bool) -> None:
+    from aiotransfer._cli.vllm.spec import EngineSpec, kv_transfer_config
+
+    fields = kv_transfer_config(EngineSpec(name="p", model="m", kind=kind, role="prefill"))
+    assert fields is not None
+    config = ConnectorConfig.from_extra(fields["kv_connector_extra_config"])
+    assert (config.engine, config.stream_layers, config.send_chunks) == (engine, stream, chunks)

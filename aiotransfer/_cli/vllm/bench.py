@@ -12,7 +12,9 @@ the other on the same engines:
 * ``concurrent`` -- concurrent dispatch: each prompt's prefill and decode requests submitted together, in
   one room (what ``examples/vllm_pd_proxy.py --concurrent`` does). The decode asks while the prefill
   computes, and the prefill pushes each layer as its forward pass writes it (kinds ending ``-whole`` run
-  with ``stream_layers=False``: the room goes whole after the pass).
+  with ``stream_layers=False``: the room goes whole after the pass). With ``--prefill-chunk N`` the
+  prefill (and the single engine) compute prompts in chunks of N tokens, and each chunk's blocks go in its
+  own step (kinds ending ``-nochunks``: ``send_chunks=False``, all with the last chunk).
 
 Per request (p50 and p99 over rounds and requests):
 
@@ -190,7 +192,7 @@ def run_bench(ns: argparse.Namespace, workdir: str) -> int:
                       max_model_len=min(spec.max_position_embeddings, longest + ns.max_tokens + block_size),
                       kv_cache_bytes=kv_bytes, max_tokens=ns.max_tokens,
                       transfer_timeout=max(ns.transfer_timeout, 300.0), lease=max(ns.lease, 300.0),
-                      step_timeout=600.0, omp_split=ns.omp_split)
+                      step_timeout=600.0, omp_split=ns.omp_split, prefill_chunk=ns.prefill_chunk)
     res: dict[str, Any] = {
         "suite": "vllm", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
@@ -234,8 +236,9 @@ def _bench_kind(kind: str, opts: sc.Options, seed: int, sizes: list[int], concs:
         return sc.make_prompts(seed * 100_000 + size * 100 + conc * 10 + r, [size] * conc)
 
     if kind == "single":
-        (eng,) = start_engines([sc.engine_spec(opts, "bench-single", "single", None,
-                                               omp_cpu=0 if opts.omp_split else None)])
+        (eng,) = start_engines([sc.engine_spec(opts, "bench-single", "single", None,  # chunked as the prefill is
+                                               omp_cpu=0 if opts.omp_split else None,
+                                               max_num_batched_tokens=opts.prefill_chunk)])
         try:
             _single_round(eng, warm, opts)
             for size in sizes:

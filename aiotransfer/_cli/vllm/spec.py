@@ -10,10 +10,12 @@ from typing import Any
 __all__ = ["KINDS", "EngineSpec", "engine_env", "kv_transfer_config"]
 
 _AIOTRANSFER_KINDS = ("aiotransfer-mooncake", "aiotransfer-nixl", "aiotransfer-nixl-spin")
-KINDS = ("single", "nixl", *_AIOTRANSFER_KINDS, *(f"{k}-whole" for k in _AIOTRANSFER_KINDS))
+_SUFFIXES = ("-whole", "-nochunks")
+KINDS = ("single", "nixl", *_AIOTRANSFER_KINDS, *(k + s for s in _SUFFIXES for k in _AIOTRANSFER_KINDS))
 """``single``: no connector; ``nixl``: vLLM's NixlConnector; ``aiotransfer-*``: AiotransferConnector
 (``aiotransfer-nixl-spin``: over NIXL with UCX's progress thread spinning, as NixlConnector runs it,
-instead of the connector's paced default; ``-whole``: without layer streaming, ``stream_layers=False``)."""
+instead of the connector's paced default; ``-whole``: without layer streaming, ``stream_layers=False``;
+``-nochunks``: with chunked prefill, the whole prompt goes with its last chunk, ``send_chunks=False``)."""
 
 _AIOTRANSFER_ENGINE = {"aiotransfer-mooncake": "mooncake_tcp", "aiotransfer-nixl": "nixl",
                        "aiotransfer-nixl-spin": "nixl"}
@@ -62,14 +64,17 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
         return {"kv_connector": "NixlConnector", "kv_role": _ROLES[spec.role], "kv_buffer_device": "cpu",
                 "kv_load_failure_policy": spec.failure_policy,
                 "kv_connector_extra_config": {"kv_lease_duration": max(1, int(spec.lease))}}
-    base = spec.kind.removesuffix("-whole")
+    base = spec.kind
+    for suffix in _SUFFIXES:
+        base = base.removesuffix(suffix)
     if base in _AIOTRANSFER_ENGINE:
         return {"kv_connector": "AiotransferConnector", "kv_connector_module_path": "aiotransfer.integrations.vllm",
                 "kv_role": _ROLES[spec.role], "kv_load_failure_policy": spec.failure_policy,
                 "kv_connector_extra_config": {"engine": _AIOTRANSFER_ENGINE[base],
                                               "transfer_timeout": spec.transfer_timeout, "lease": spec.lease,
                                               "transfer": _AIOTRANSFER_TRANSFER.get(base, {}),
-                                              "stream_layers": spec.kind == base}}
+                                              "stream_layers": not spec.kind.endswith("-whole"),
+                                              "send_chunks": not spec.kind.endswith("-nochunks")}}
     raise ValueError(f"unknown connector kind {spec.kind!r}; expected one of {KINDS}")
 
 

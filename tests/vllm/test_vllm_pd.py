@@ -175,11 +175,13 @@ ABORTS = [("aiotransfer-mooncake", "serial"), ("aiotransfer-nixl", "concurrent")
 @pytest.fixture(scope="module", params=ABORTS, ids=["-".join(a) for a in ABORTS])
 def aborted_decode(request: pytest.FixtureRequest, vllm_python: str,
                    tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Serial: the decode aborts while its KV loads. Concurrent: while the prefill computes or pushes it."""
+    """Serial: the decode aborts while its KV loads. Concurrent: while the prefill computes or pushes it,
+    in chunks (chunked prefill: the abort comes between two of the 600-token prompt's chunks)."""
     kind, dispatch = request.param
+    chunks = ["--prefill-chunk", str(PREFILL_CHUNK)] if dispatch == "concurrent" else []
     return run_harness(vllm_python, tmp_path_factory.mktemp(f"vllm-abort-{kind}"), "decode-abort",
                        "--kind", kind, "--lengths", "600,100", "--abort-after-steps", "1", "--dispatch", dispatch,
-                       "--transfer-timeout", str(TRANSFER_TIMEOUT), "--lease", str(ABORT_LEASE))
+                       "--transfer-timeout", str(TRANSFER_TIMEOUT), "--lease", str(ABORT_LEASE), *chunks)
 
 
 def test_decode_abort_returns_every_block_on_both_sides(aborted_decode: dict[str, Any]) -> None:

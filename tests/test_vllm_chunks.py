@@ -85,6 +85,16 @@ def test_a_request_preempted_between_its_chunks_is_named_to_the_worker() -> None
     assert side.build_orders({}).abort == ["c3"], "an aborted request's open room is aborted"
 
 
+def test_a_request_preempted_after_its_prompt_is_named_to_the_worker_too() -> None:
+    """A prefill request asked for more than one token decodes on once its prompt is computed; its room
+    may still be sending when vLLM preempts it."""
+    req = FakeRequest("c4", 40, {"do_remote_decode": True})
+    side = chunking_scheduler({"c4": [1, 2, 3]})
+    side.after_alloc(req, [1, 2, 3], 0)
+    assert [job.last for job in side.build_orders({"c4": 40}).send] == [True]
+    assert side.build_orders({}, preempted={"c4"}).preempted == ["c4"]
+
+
 # -- the worker ------------------------------------------------------------------------------------
 class Gate:
     """Stands in for a device event: ``query()`` is False until :meth:`fire`."""
@@ -181,6 +191,22 @@ def test_a_preempted_chunk_whose_writes_never_end_fails_its_room_and_the_decode_
         wait_sent(prefill, "r", 10)
         counts = prefill.counts()
         assert (counts["sends"], counts["sends_failed"], counts["in_flight"]) == (1, 1, 0), counts
+
+
+def test_a_request_preempted_after_its_prompt_fails_its_room_at_once_and_the_decode_learns() -> None:
+    """Its room waits for the decode (which has not asked): a preemption cannot wait for that, so the room
+    fails before vLLM reuses the blocks, and the decode that asks later is told why."""
+    with workers(str(ENGINES[0]), seed=26) as (kv, prefill, decode):
+        step(prefill, kv, SendJob("r", 5026, SRC), {50: 0, 51: 1, 52: 2, 53: 3})
+        time.sleep(0.2)  # the room task takes the job and waits for the decode
+        t0 = time.monotonic()
+        prefill.handle_preemptions(Orders(preempted=["r"]))
+        assert time.monotonic() - t0 < 3.0, "handle_preemptions waited for a decode that had not asked"
+        out = decode.ask({"op": "recv", "req": "r5026", "room": 5026, "peer": prefill.endpoint, "blocks": DST})
+        assert out["finished"] and out["load_errors"] == DST, out
+        wait_sent(prefill, "r", 10)
+        counts = prefill.counts()
+        assert (counts["preempted"], counts["sends_failed"], counts["in_flight"]) == (1, 1, 0), counts
 
 
 def test_a_request_aborted_between_its_chunks_ends_its_room_at_once() -> None:

@@ -140,6 +140,7 @@ class ChunkFeed:
         self._idle = asyncio.Event()  # set while no job is under way
         self._idle.set()
         self._closed: str | None = None
+        self._final = False
 
     # -- vLLM's thread -----------------------------------------------------------------------------
     def put(self, job: Any) -> None:
@@ -179,11 +180,18 @@ class ChunkFeed:
         """The job under way is over (the task takes no more)."""
         self._idle.set()
 
+    def final(self) -> None:
+        """The job taken is the prompt's last: it is under way until the room ends, which may be the
+        prefill's whole lease, so a preemption cannot wait for it."""
+        self._final = True
+
     async def preempted(self, timeout: float) -> bool:
         """vLLM has taken the request's blocks back: the jobs not yet taken are dropped (their blocks are no
         longer the request's), and this waits until the job under way is over, so that no write reads
-        them any more. False if it is not over within ``timeout`` seconds."""
+        them any more. False if it is not over within ``timeout`` seconds, or is the prompt's last."""
         self._jobs.clear()
+        if self._final:
+            return False
         try:
             await _wait(self._idle, timeout, "the preempted chunk's writes")
         except TransferTimeout:

@@ -77,8 +77,9 @@ class Orders:
     forgo: list[tuple[int, str]] = field(default_factory=list)
     """(room, prefill endpoint) the decode will never ask for: tell the prefill to free its blocks now."""
     preempted: list[str] = field(default_factory=list)
-    """Prefill requests preempted between two chunks: vLLM has taken their blocks back, and may overwrite
-    them in this step; no write may read them any more (``handle_preemptions``)."""
+    """Prefill requests with a sender that vLLM preempted (between two chunks, or while decoding on after
+    the prompt): it has taken their blocks back, and may overwrite them in this step; no write may read
+    them any more (``handle_preemptions``)."""
 
     def __bool__(self) -> bool:
         return bool(self.send or self.recv or self.abort or self.forgo or self.preempted)
@@ -169,7 +170,7 @@ class SchedulerSide:
         blocks each chunk completes can go while the next chunks compute. ``preempted``: vLLM's
         ``preempted_req_ids`` of this step."""
         for req_id in preempted:
-            if req_id in self._sending and req_id in self._prefilling:
+            if req_id in self._sending:  # between two chunks, or decoding on after its prompt (max_tokens > 1)
                 self._orders.preempted.append(req_id)
         for req_id, request in list(self._prefilling.items()):
             scheduled = num_scheduled_tokens.get(req_id, 0)

@@ -188,7 +188,9 @@ class WorkerSide:
     def handle_preemptions(self, orders: Orders) -> None:
         """vLLM's ``handle_preemptions``, before a step whose pass may overwrite the blocks of the requests
         it preempted: returns once no write reads them any more. A chunk whose writes do not end within
-        ``transfer_timeout`` fails its room first, so what they read then can never be taken as the KV."""
+        ``transfer_timeout`` fails its room first, so what they read then can never be taken as the KV; so
+        does a request preempted after its prompt was computed (decoding on, ``max_tokens`` > 1), whose
+        room would wait for its decode."""
         bg = self._require()
         for req_id in orders.preempted:
             with self._lock:
@@ -205,7 +207,7 @@ class WorkerSide:
     async def _settle(self, _: KVManager, req_id: str, feed: ChunkFeed) -> None:
         if await feed.preempted(self._config.transfer_timeout):
             return
-        reason = f"vLLM preempted request {req_id} while a chunk's write still read its blocks"
+        reason = f"vLLM preempted request {req_id}, and gave its blocks to others, before its KV was sent"
         feed.close_now(reason)
         with self._lock:
             side = self._rooms.get(req_id)
@@ -317,6 +319,7 @@ class WorkerSide:
             while True:
                 job, fwd, ready = await feed.next(cfg.transfer_timeout)
                 if job.last:
+                    feed.final()
                     break
                 blocks = sent.take(tx, job) if tx.num_pages is not None else ()  # asked: this chunk's blocks go now
                 if blocks:

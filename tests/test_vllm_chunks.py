@@ -11,6 +11,7 @@ preemption meets them in flight on every run; the negative control overwrites th
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from typing import Any
@@ -253,3 +254,27 @@ def test_the_harness_kinds_configure_the_connector_as_named(kind: str, engine: s
     assert fields is not None
     config = ConnectorConfig.from_extra(fields["kv_connector_extra_config"])
     assert (config.engine, config.stream_layers, config.send_chunks) == (engine, stream, chunks)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_prefill_killed_mid_stream_fails_the_load_and_its_blocks_come_back_once_proven_gone(engine: str) -> None:
+    """Concurrent dispatch: the decode has asked, the prefill has pushed its first layer and is killed
+    before the next. The decode's load fails (its liveness finds the prefill gone), and its blocks are
+    reported only then, with the failure, so vLLM's policy applies and no write can land in them later."""
+    from tests.test_vllm_sides import DecodeWorker
+
+    decode = DecodeWorker(engine)
+    prefill = DecodeWorker(engine)  # a worker process of its own, acting as the prefill
+    try:
+        decode.post({"op": "recv", "req": "m1", "room": 5030, "peer": prefill.endpoint, "blocks": DST, "bound": 40})
+        pushed = prefill.ask({"op": "stream", "req": "p1", "room": 5030, "blocks": list(SRC), "layers": 1})
+        assert pushed["ok"] and pushed["counts"]["sends_streamed"] == 1, pushed
+        prefill.proc.send_signal(signal.SIGKILL)
+        prefill.proc.wait(10)
+        out = decode.ask(None)
+        assert out["finished"], out
+        assert out["load_errors"] == DST
+        assert out["counts"]["in_flight"] == 0 and out["counts"]["receives_failed"] == 1, out
+    finally:
+        prefill.close()
+        decode.close()

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from aiotransfer.integrations.vllm._config import ConnectorConfig
-from aiotransfer.integrations.vllm._scheduler import Orders, RecvJob
+from aiotransfer.integrations.vllm._scheduler import Orders, RecvJob, SendJob
 from aiotransfer.integrations.vllm._worker import WorkerSide
 from tests.peer import digest, make_buffers
 
@@ -62,6 +62,22 @@ def receive(worker: WorkerSide, kv: list[Any], cmd: dict[str, Any]) -> dict[str,
     return {"finished": False, "seconds": time.monotonic() - start, "counts": worker.counts()}
 
 
+def stream_part(worker: WorkerSide, cmd: dict[str, Any]) -> dict[str, Any]:
+    """As a prefill worker: once the decode's request has arrived, begin the pass that computes the prompt
+    and report its first ``layers`` layers written, then answer with the pass still under way (the test
+    then kills this process mid-stream)."""
+    deadline = time.monotonic() + cmd.get("bound", 20)
+    while worker.manager_stats()["pending_requests"] < 1:
+        if time.monotonic() > deadline:
+            return {"ok": False, "why": "the decode's request never arrived"}
+        time.sleep(0.01)
+    worker.begin_pass(Orders(send=[SendJob(cmd["req"], cmd["room"], tuple(cmd["blocks"]))]))
+    for layer in range(cmd["layers"]):
+        worker.layer_written(f"layer.{layer}")
+    time.sleep(cmd.get("settle", 0.3))  # the reported layers' writes land
+    return {"ok": True, "counts": worker.counts()}
+
+
 def main() -> None:
     engine, pages, item_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     kv = make_buffers(2, pages, item_len, None)
@@ -79,6 +95,8 @@ def main() -> None:
             if cmd["op"] == "forgo":
                 worker.start_receives(Orders(forgo=[(cmd["room"], cmd["peer"])]))
                 print(json.dumps({"ok": True}), flush=True)
+            elif cmd["op"] == "stream":
+                print(json.dumps(stream_part(worker, cmd)), flush=True)
             else:
                 print(json.dumps(receive(worker, kv, cmd)), flush=True)
     finally:

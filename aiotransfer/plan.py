@@ -26,6 +26,7 @@ __all__ = [
     "check_unique",
     "coalesce_runs",
     "page_runs",
+    "one_run",
     "pair_runs",
     "plan_blocks",
     "plan_coalesced",
@@ -333,6 +334,14 @@ def split_blocks(blocks: Blocks, max_entries: int) -> list[Blocks]:
 def pair_runs(src_pages: list[int], dst_pages: list[int]) -> list[list[int]]:
     """``[src start, dst start, pages]`` for each run of pages consecutive on both sides, in plain Python
     (for short page lists, where NumPy's fixed cost per call dominates)."""
+    n = len(src_pages)
+    if n > 1 and len(dst_pages) == n:
+        s0, d0 = src_pages[0], dst_pages[0]
+        # One run on both sides, the common case (a prompt's pages allocated together): compared in C, about
+        # 5 us for 256 pages against 34 us for the loop below.
+        if (src_pages[-1] - s0 == n - 1 and dst_pages[-1] - d0 == n - 1
+                and src_pages == list(range(s0, s0 + n)) and dst_pages == list(range(d0, d0 + n))):
+            return [[s0, d0, n]]
     runs: list[list[int]] = []
     for s, d in zip(src_pages, dst_pages, strict=True):
         if runs:
@@ -342,6 +351,21 @@ def pair_runs(src_pages: list[int], dst_pages: list[int]) -> list[list[int]]:
                 continue
         runs.append([s, d, 1])
     return runs
+
+
+def one_run(src_pages: npt.NDArray[np.integer[Any]], dst_pages: npt.NDArray[np.integer[Any]]) -> list[list[int]] | None:
+    """:func:`pair_runs`' answer when both page arrays are one run each (``[[src start, dst start, pages]]``),
+    else None: a few NumPy calls for a long page list, where building the runs in plain Python costs about
+    0.13 us a page."""
+    n = int(src_pages.size)
+    if n < 2 or int(dst_pages.size) != n:
+        return None
+    s0, d0 = int(src_pages[0]), int(dst_pages[0])
+    if int(src_pages[-1]) - s0 != n - 1 or int(dst_pages[-1]) - d0 != n - 1:
+        return None
+    if not bool((np.diff(src_pages) == 1).all()) or not bool((np.diff(dst_pages) == 1).all()):
+        return None
+    return [[s0, d0, n]]
 
 
 def plan_runs(src_bases: list[int], dst_bases: list[int], item_lens: list[int], runs: list[list[int]]) -> Blocks:

@@ -16,6 +16,7 @@ Terms: P/D = prefill/decode attention TP size, H = total KV heads of the model. 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from .errors import ConfigError, IncompatiblePeer
@@ -105,6 +106,7 @@ def _ratio(a: int, b: int) -> int:
     return big // small
 
 
+@functools.lru_cache(maxsize=256)
 def map_ranks(
     prefill_tp: int,
     prefill_pp: int,
@@ -115,7 +117,8 @@ def map_ranks(
     total_heads: int = 0,
     all_cp_ranks_send: bool = False,
 ) -> RankMapping:
-    """The prefill ranks decode rank ``decode`` pulls from (see module docstring)."""
+    """The prefill ranks decode rank ``decode`` pulls from (see module docstring). Pure, and cached: a decode
+    asks it for every room it routes."""
     if decode.pp_size not in (1, prefill_pp):
         raise IncompatiblePeer(f"decode PP {decode.pp_size} must equal prefill PP {prefill_pp} or be 1")
     if decode.cp_size != 1:

@@ -16,6 +16,7 @@ from aiotransfer.plan import (
     check_range,
     check_unique,
     coalesce_runs,
+    one_run,
     page_runs,
     pair_runs,
     plan_blocks,
@@ -466,6 +467,49 @@ def test_property_coalesce_runs_roundtrip(data: st.DataObject) -> None:
     # maximal: the next run never continues both sides of the previous one
     ends_s, ends_d = s0[:-1] + rl[:-1], d0[:-1] + rl[:-1]
     assert not np.any((ends_s == s0[1:]) & (ends_d == d0[1:]))
+
+
+@settings(deadline=None, max_examples=300)
+@given(st.data())
+def test_property_pair_runs_equals_coalesce_runs(data: st.DataObject) -> None:
+    """The plain-Python runs (with their one-run shortcut) are exactly the NumPy ones, also for lists that
+    start and end like one run without being one (``[4, 6, 5, 7]``)."""
+    n = data.draw(st.integers(1, 40))
+    s0, d0 = data.draw(st.integers(0, 100)), data.draw(st.integers(0, 100))
+    mode = data.draw(st.sampled_from(["run", "swapped", "random"]))
+    src, dst = list(range(s0, s0 + n)), list(range(d0, d0 + n))
+    if mode == "swapped" and n >= 4:
+        i = data.draw(st.integers(1, n - 3))
+        side = data.draw(st.sampled_from([src, dst]))
+        side[i], side[i + 1] = side[i + 1], side[i]
+    elif mode == "random":
+        src = data.draw(st.lists(st.integers(0, 12), min_size=n, max_size=n))
+    runs = pair_runs(src, dst)
+    s, d, r = coalesce_runs(np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64))
+    assert runs == [list(x) for x in zip(s.tolist(), d.tolist(), r.tolist(), strict=True)]
+
+
+@settings(deadline=None, max_examples=300)
+@given(st.data())
+def test_property_one_run_is_pair_runs_when_there_is_one(data: st.DataObject) -> None:
+    """The NumPy shortcut for long chunks answers exactly when the chunk is one run on both sides."""
+    n = data.draw(st.integers(0, 40))
+    s0, d0 = data.draw(st.integers(0, 100)), data.draw(st.integers(0, 100))
+    src, dst = list(range(s0, s0 + n)), list(range(d0, d0 + n))
+    if data.draw(st.booleans()) and n >= 4:  # same ends, not one run
+        i = data.draw(st.integers(1, n - 3))
+        side = data.draw(st.sampled_from([src, dst]))
+        side[i], side[i + 1] = side[i + 1], side[i]
+    if data.draw(st.booleans()) and n >= 2:  # a break
+        dst[-1] += data.draw(st.integers(1, 3))
+    runs = pair_runs(src, dst)
+    got = one_run(np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64))
+    assert got == (runs if n >= 2 and len(runs) == 1 else None)
+
+
+def test_pair_runs_length_mismatch() -> None:
+    with pytest.raises(ValueError):
+        pair_runs([1, 2, 3], [1, 2])
 
 
 @settings(deadline=None)

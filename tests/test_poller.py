@@ -24,7 +24,7 @@ from aiotransfer.engines.base import (
     TransferHandle,
     WaitMode,
 )
-from aiotransfer.errors import TransferTimeout
+from aiotransfer.errors import EngineError, TransferTimeout
 from aiotransfer.plan import Blocks
 
 WATCH_S = 0.1
@@ -137,6 +137,66 @@ async def test_on_done_runs_at_completion_before_the_writer_resumes() -> None:
         engine.released = True
         await asyncio.wait_for(task, 5)
         assert order == ["on_done", "resumed"]
+    finally:
+        await poller.aclose(1.0)
+        offloader.shutdown(wait=False)
+
+
+class LandedEngine(HeldEngine):
+    """Writes the engine reports complete when they are posted (NIXL's inline copies over shared memory)."""
+
+    def __init__(self, landed: bool, outcome: EngineStatus = EngineStatus.DONE) -> None:
+        super().__init__()
+        self.landed, self.outcome = landed, outcome
+
+    def submit_write(self, peer: str, blocks: Blocks) -> TransferHandle:
+        handle = super().submit_write(peer, blocks)
+        handle.landed = self.landed
+        return handle
+
+    def check(self, handle: TransferHandle) -> EngineStatus:
+        self.checks += 1
+        return handle.finish(self.outcome, "refused" if self.outcome is EngineStatus.FAILED else None)
+
+
+@pytest.mark.parametrize("landed", [True, False])
+async def test_a_write_that_landed_at_post_completes_in_the_submitting_step(landed: bool) -> None:
+    """The handle is asked once right after its submission: the write, and its ``on_done`` (where Success
+    leaves), end without waiting for the poll loop's next round. Without ``landed`` (the control) the writer
+    suspends, and only the poll loop asks."""
+    engine, offloader = LandedEngine(landed), Offloader("poller-test", 1)
+    poller = _held_poller(engine, offloader)
+    done: list[str] = []
+    coro = poller.write("peer", _one_entry(4096), timeout=5, on_done=lambda: done.append("on_done"))
+    try:
+        try:
+            coro.send(None)  # the writer's first step: it submits, then returns or suspends
+        except StopIteration:
+            finished = True
+        else:
+            finished = False
+        assert finished is landed
+        assert done == (["on_done"] if landed else [])
+        assert engine.checks == (1 if landed else 0)
+        coro.close()  # the control's writer gives up; its handle stays with the poll loop until it ends
+        for _ in range(1000):
+            if poller.completed == 1:
+                break
+            await asyncio.sleep(0.001)
+        assert poller.in_flight == 0 and poller.completed == 1
+    finally:
+        coro.close()
+        await poller.aclose(1.0)
+        offloader.shutdown(wait=False)
+
+
+async def test_a_landed_write_the_engine_reports_failed_raises_at_once() -> None:
+    engine, offloader = LandedEngine(True, EngineStatus.FAILED), Offloader("poller-test", 1)
+    poller = _held_poller(engine, offloader)
+    try:
+        with pytest.raises(EngineError, match="refused"):
+            await poller.write("peer", _one_entry(4096), timeout=5)
+        assert poller.in_flight == 0 and poller.failed == 1
     finally:
         await poller.aclose(1.0)
         offloader.shutdown(wait=False)

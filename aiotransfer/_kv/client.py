@@ -129,7 +129,7 @@ class PrefillClient:
         )
 
     async def send_one(self, endpoint: str, req: TransferRequest, deadline: Deadline) -> None:
-        await self._ctx.send(endpoint, req, deadline)
+        await self._ctx.send(endpoint, req, deadline, yield_cpu=self._ctx.yield_after_notify())
 
     # -- registration ---------------------------------------------------------------------------------
     async def register(self, endpoint: str, deadline: Deadline) -> PrefillPeer:

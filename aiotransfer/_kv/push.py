@@ -30,6 +30,7 @@ from ..plan import (
     as_index_array,
     check_range,
     coalesce_runs,
+    one_run,
     pair_runs,
     plan_blocks,
     plan_coalesced,
@@ -106,6 +107,12 @@ class TransferPlan:
     @property
     def src_slice(self) -> RowSlice | None:
         return self.slices[0] if self.slices is not None else None
+
+
+def chunk_runs(src: np.ndarray, dst: np.ndarray) -> list[list[int]] | None:
+    """A chunk's page runs when they are cheap to know: every run of a short chunk, or the one run of a long
+    chunk contiguous on both sides; None otherwise (planned through NumPy)."""
+    return pair_runs(src.tolist(), dst.tolist()) if src.size <= _FEW_PAGES else one_run(src, dst)
 
 
 def row_slices(ctx: RankContext, peer: DecodePeer) -> tuple[list[RowSlice], list[RowSlice]]:
@@ -256,7 +263,7 @@ class Pusher:
             size = pairing.src_units
             await self.staging.write_tokens(room, peer, src[::size] // size, int(src.size), dst_start, deadline, guard)
             return
-        runs = pair_runs(src.tolist(), dst.tolist()) if pairing.heads is None and src.size <= _FEW_PAGES else None
+        runs = chunk_runs(src, dst) if pairing.heads is None else None
         slices = self._staging_slices(peer, src, dst, runs)
         if slices is not None:
             await self.staging.write(room, peer, src, dst_start, slices, deadline, guard)
@@ -298,7 +305,7 @@ class Pusher:
         key = (peer.endpoint, dst_start)
         chunk = writes.streamed.get(key)
         if chunk is None:  # once per chunk and decode rank: its page runs, and whether layers move apart
-            runs = pair_runs(src.tolist(), dst.tolist()) if peer.pairing.heads is None and src.size <= _FEW_PAGES else None
+            runs = chunk_runs(src, dst) if peer.pairing.heads is None else None
             apart = self._by_layer(peer) and self._staging_slices(peer, src, dst, runs) is None
             chunk = writes.streamed[key] = (runs, apart, coalesce_runs(src, dst) if apart else None)
         runs, apart, coalesced = chunk

@@ -96,6 +96,11 @@ class TransferHandle:
     status: EngineStatus = EngineStatus.PENDING
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    landed: bool = False
+    """The engine reported the write complete when it was posted (NIXL copies inline over shared memory): the
+    poll loop asks ``check`` right away instead of on its next round, so the completion and a ``Success``
+    waiting on it go out in the same step as the submission. Still asked through ``check``, which releases
+    the native handle."""
 
     @property
     def consumed(self) -> bool:

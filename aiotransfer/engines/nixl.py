@@ -430,7 +430,7 @@ class NixlEngine(AgentEngine):
         if state == "ERR":
             self._release(xfer)
             raise EngineError(f"NIXL refused to post a {n}-entry write to {peer} (ERR)")
-        xfer.done_at_post = state == "DONE"
+        xfer.done_at_post = handle.landed = state == "DONE"
         self._live.add(handle)
         return handle
 

@@ -56,6 +56,48 @@ async def test_nixl_managers_loopback_scattered_two_chunks() -> None:
         assert prefill.stats()["engine_failed"] == 0
 
 
+class _InlineSpy:
+    """A prefill and a decode manager over NIXL, with every inline attempt of the prefill's engine recorded
+    as ``(bytes, posted inline)``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        rng = np.random.default_rng(12)
+        self.src = [rng.integers(0, 256, (PAGES, ITEM), dtype=np.uint8) for _ in range(BUFFERS)]
+        self.dst = [np.zeros((PAGES, ITEM), dtype=np.uint8) for _ in range(BUFFERS)]
+        cfg = TransferConfig(engine="nixl", hostname="127.0.0.1", handshake_timeout=10.0)
+        self.prefill = KVManager(KVArgs(self.src, page_size=16, dtype="uint8"), cfg)
+        self.decode = KVManager(KVArgs(self.dst, page_size=16, dtype="uint8"), cfg)
+        self.attempts: list[tuple[int, bool]] = []
+        self._monkeypatch = monkeypatch
+
+    async def __aenter__(self) -> _InlineSpy:
+        await self.prefill.__aenter__()
+        await self.decode.__aenter__()
+        self.eng = eng = self.prefill.engine
+        original = eng.try_submit_inline
+
+        def spy(peer: str, blocks: Blocks) -> TransferHandle | None:
+            handle = original(peer, blocks)
+            self.attempts.append((blocks.nbytes, handle is not None))
+            return handle
+
+        self._monkeypatch.setattr(eng, "try_submit_inline", spy)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.decode.__aexit__(None, None, None)
+        await self.prefill.__aexit__(None, None, None)
+
+    async def room(self, n: int, src_pages: list[int], dst_pages: list[int]) -> None:
+        tx, rx = self.prefill.sender(n), self.decode.receiver(n, peer=self.prefill.endpoint)
+        await rx.send_metadata(dst_pages, timeout=10)
+        await tx.wait_ready(timeout=10)
+        await tx.send_kv(src_pages, timeout=10)
+        await rx.done(timeout=10)
+        for s, d in zip(self.src, self.dst, strict=True):
+            np.testing.assert_array_equal(d[dst_pages], s[src_pages])
+
+
 async def test_nixl_small_writes_post_from_the_loop_only_when_the_agent_is_free(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -65,35 +107,9 @@ async def test_nixl_small_writes_post_from_the_loop_only_when_the_agent_is_free(
     import threading
 
     _nixl_or_skip()
-    rng = np.random.default_rng(12)
-    src = [rng.integers(0, 256, (PAGES, ITEM), dtype=np.uint8) for _ in range(BUFFERS)]
-    dst = [np.zeros((PAGES, ITEM), dtype=np.uint8) for _ in range(BUFFERS)]
-    cfg = TransferConfig(engine="nixl", hostname="127.0.0.1", handshake_timeout=10.0)
-    async with (
-        KVManager(KVArgs(src, page_size=16, dtype="uint8"), cfg) as prefill,
-        KVManager(KVArgs(dst, page_size=16, dtype="uint8"), cfg) as decode,
-    ):
-        eng = prefill.engine
-        attempts: list[tuple[int, bool]] = []
-        original = eng.try_submit_inline
-
-        def spy(peer: str, blocks: Blocks) -> TransferHandle | None:
-            handle = original(peer, blocks)
-            attempts.append((blocks.nbytes, handle is not None))
-            return handle
-
-        monkeypatch.setattr(eng, "try_submit_inline", spy)
-
-        async def room(n: int, src_page: int, dst_page: int) -> None:
-            tx, rx = prefill.sender(n), decode.receiver(n, peer=prefill.endpoint)
-            await rx.send_metadata([dst_page], timeout=10)
-            await tx.wait_ready(timeout=10)
-            await tx.send_kv([src_page], timeout=10)
-            await rx.done(timeout=10)
-            for s, d in zip(src, dst, strict=True):
-                np.testing.assert_array_equal(d[dst_page], s[src_page])
-
-        await room(1, 5, 9)
+    async with _InlineSpy(monkeypatch) as spy:
+        attempts, eng = spy.attempts, spy.eng
+        await spy.room(1, [5], [9])
         assert attempts[-1] == (BUFFERS * ITEM, True)  # one page of each buffer: posted inline
 
         held, release = threading.Event(), threading.Event()
@@ -106,7 +122,7 @@ async def test_nixl_small_writes_post_from_the_loop_only_when_the_agent_is_free(
         holder = threading.Thread(target=hold)
         holder.start()
         held.wait(5)
-        task = asyncio.ensure_future(room(2, 6, 10))
+        task = asyncio.ensure_future(spy.room(2, [6], [10]))
         ticks = 0
         while not attempts or attempts[-1][1]:  # until the inline attempt has been refused
             await asyncio.sleep(0.001)
@@ -118,6 +134,33 @@ async def test_nixl_small_writes_post_from_the_loop_only_when_the_agent_is_free(
         release.set()
         await asyncio.wait_for(task, 10)
         holder.join(5)
+
+
+async def test_nixl_writes_up_to_1_mib_post_from_the_loop_only_while_nothing_else_is_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A write over ``inline_max_bytes`` but within ``inline_alone_max_bytes`` (64 pages of 3 buffers, 384
+    KiB) is posted from the loop while no other write of the agent is in flight; with one in flight it goes
+    through the executor; above the alone limit it always does. Bytes land every time."""
+    from aiotransfer.engines.nixl import NixlEngine
+
+    _nixl_or_skip()
+    nbytes = 64 * BUFFERS * ITEM
+    assert NixlEngine.inline_max_bytes < nbytes <= NixlEngine.inline_alone_max_bytes
+    async with _InlineSpy(monkeypatch) as spy:
+        await spy.room(1, list(range(64)), list(range(64, 128)))
+        assert spy.attempts[-1] == (nbytes, True)
+        live = spy.eng._live  # type: ignore[attr-defined]
+        other = object()  # stands for another write of the agent still in flight
+        live.add(other)
+        try:
+            await spy.room(2, list(range(64, 128)), list(range(64)))
+        finally:
+            live.discard(other)
+        assert spy.attempts[-1] == (nbytes, False)
+        monkeypatch.setattr(spy.eng, "inline_alone_max_bytes", nbytes - 1)
+        await spy.room(3, list(range(64)), list(range(64, 128)))
+        assert spy.attempts[-1] == (nbytes, False)
 
 
 def _native_thread_cpu(tids: set[int]) -> float:

@@ -229,12 +229,17 @@ class NixlEngine(AgentEngine):
     name = "nixl"
     traits = EngineTraits(entry_cost_s=6e-6, bandwidth_bps=8.0e9)
     """Not ``cheap_submit``: ``transfer()`` may copy inline over UCX shared memory, so writes are submitted
-    from the executor, except small ones that find the agent free (:meth:`try_submit_inline`). Not
+    from the executor, except small ones, and up to 1 MiB while nothing else is in flight, that find the agent
+    free (:meth:`try_submit_inline`). Not
     ``quiet_threads``: UCX's progress thread polls. Staging constants measured over shared memory (with
     ``UCX_TLS=tcp``: 12 us and 1.2 GB/s, set per instance)."""
     inline_max_bytes = 64 * 1024
     """Writes up to this size may be posted from the event loop: the inline copy takes ~10-40 us, less than
-    the hop to the executor and back (4 KiB end to end over shared memory: see docs/performance.md)."""
+    the hop to the executor and back (4 KiB end to end over shared memory: see docs/performance.md)..."""
+    inline_alone_max_bytes = 1024 * 1024
+    """...and up to this size while no other write of this agent is in flight, when the loop serves no other
+    transfer: the copy (0.1-0.2 ms for 1 MiB over shared memory) then costs less than the two thread hops
+    through the executor it saves (~0.1 ms each way on a 2-vCPU host; docs/performance.md, fourth cut)."""
     inline_max_entries = 8
 
     def __init__(self, config: TransferConfig) -> None:
@@ -393,11 +398,13 @@ class NixlEngine(AgentEngine):
         """Post a small write from the calling (event-loop) thread if the agent is free right now; None
         (nothing posted) when the write is too large or another thread holds the agent, so the caller
         goes through the executor. Never waits for the lock."""
-        if not 0 < len(blocks) <= self.inline_max_entries or blocks.nbytes > self.inline_max_bytes:
+        if not 0 < len(blocks) <= self.inline_max_entries or blocks.nbytes > self.inline_alone_max_bytes:
             return None
         if not self._lock.acquire(blocking=False):
             return None
         try:
+            if blocks.nbytes > self.inline_max_bytes and self._live:
+                return None  # other writes are in flight: a large copy waits in the executor, not on the loop
             return self._submit_locked(peer, blocks)
         finally:
             self._lock.release()

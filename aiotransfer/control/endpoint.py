@@ -32,7 +32,7 @@ from zmq.utils import z85
 from .._deadline import reap, within
 from ..errors import ClosedError, PeerError, ProtocolError, TransferTimeout
 from .messages import Message, RankRegister, decode, encode
-from .sockets import OrderedSender, Watch
+from .sockets import OrderedSender
 
 __all__ = ["ControlPlane", "ReplayGuard", "curve_keys", "normalize_endpoint", "signed_frames"]
 
@@ -54,6 +54,9 @@ MAX_FRAMES = 64
 FRAME_OVERHEAD = 1024
 """Bytes a message may carry beyond ``max_message_bytes``: the signed header and the MAC."""
 _MAX_CAUSES = 64
+_ERROR_RETRY_S = 0.01
+"""After a receive that failed with a socket error, the next one is tried this much later (not at once: an error
+that persists would otherwise keep the loop busy)."""
 """Distinct drop causes counted by name; any further cause is counted as ``other``."""
 
 
@@ -165,7 +168,11 @@ class ControlPlane:
         self._key = hmac_key
         self._pull: zmq.Socket[Any] | None = None
         self._out: OrderedDict[str, OrderedSender] = OrderedDict()
-        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reading: int | None = None
+        """The inbound socket's descriptor, while the loop watches it."""
+        self._awaiting: asyncio.Future[None] | None = None
+        """An asynchronous handler's result being awaited; the messages behind it wait."""
         self._closed = False
         self.dropped: Counter[str] = Counter()
         self.received = 0
@@ -195,7 +202,10 @@ class ControlPlane:
             port = pull.bind_to_random_port(addr)
         self._pull = pull
         self.endpoint = f"{addr}:{port}"
-        self._task = asyncio.get_running_loop().create_task(self._recv_loop(), name="aiotransfer-control")
+        self._loop = loop = asyncio.get_running_loop()
+        self._reading = int(pull.getsockopt(zmq.FD))
+        loop.add_reader(self._reading, self._on_readable)
+        loop.call_soon(self._on_readable)
 
     # -- outbound -------------------------------------------------------------------------------
     def _socket(self, endpoint: str) -> OrderedSender:
@@ -316,20 +326,13 @@ class ControlPlane:
             raise ProtocolError("replayed message")
         return msg
 
-    async def _recv_message(self, pull: zmq.Socket[Any], readable: Watch) -> list[bytes] | None:
-        """The frames of one inbound message, or None when it broke the whole-message bound (counted).
+    def _take(self, pull: zmq.Socket[Any]) -> list[bytes] | None:
+        """The frames of the message whose first frame is in, or None when it broke the whole-message bound
+        (counted).
 
         libzmq hands a multipart message over only once all its frames are in; the rest of the frames are
         therefore read without waiting, and past the bound they are released one by one, never copied."""
-        while True:
-            # Ask libzmq first (one EVENTS read; at once when a message is in): a receive tried on an empty
-            # socket costs a raised and caught ``zmq.Again``, once per message on a quiet connection.
-            await readable.wait()
-            try:
-                first: bytes = pull.recv(zmq.NOBLOCK)
-                break
-            except zmq.Again:
-                continue
+        first: bytes = pull.recv(zmq.NOBLOCK)
         frames, total, cause = [first], len(first), ""
         budget, bounded = self._max_bytes + FRAME_OVERHEAD, self.whole_message_bound
         while pull.get(zmq.RCVMORE):
@@ -347,48 +350,72 @@ class ControlPlane:
         self._drop(cause, ProtocolError(f"{cause}: {total} bytes, bound {budget} bytes in {MAX_FRAMES} frames"))
         return None
 
-    async def _recv_loop(self) -> None:
-        assert self._pull is not None
+    def _on_readable(self) -> None:
+        """Take one message and hand it to the handler, right here in the socket's reader callback (and in
+        its own follow-up): no task to wake, so a message reaches its handler in the loop iteration that saw
+        it arrive. While messages remain, the next one is taken in a callback scheduled after whatever this
+        one woke (a ``done()`` waiter runs before the next receive). A handler that returns an awaitable
+        holds the messages behind it until it is over, as in order delivery requires (:meth:`_after`)."""
         pull = self._pull
-        readable = Watch(pull, zmq.POLLIN)
-        readable.start()
+        if pull is None or self._closed:
+            return
         try:
-            await self._recv_messages(pull, readable)
-        finally:
-            readable.stop()
-
-    async def _recv_messages(self, pull: zmq.Socket[Any], readable: Watch) -> None:
-        while True:
-            try:
-                frames = await self._recv_message(pull, readable)
-            except asyncio.CancelledError:
-                raise
-            except zmq.ZMQError as exc:
-                if self._closed:
-                    return
+            # reading EVENTS also clears the descriptor's signal: the callback is not called again for it
+            if not int(pull.getsockopt(zmq.EVENTS)) & zmq.POLLIN or self._awaiting is not None:
+                return
+            frames = self._take(pull)
+        except zmq.Again:
+            return
+        except zmq.ZMQError as exc:
+            if not self._closed:
                 self._drop("socket-error", exc)
-                continue
-            if frames is None:
-                continue
-            try:
-                msg = self.parse(frames)
-            except ProtocolError as exc:
-                self._drop(str(exc).split(":")[0], exc)
-                continue
-            if msg is None:
-                continue  # consumed by the protocol layer itself
-            self.received += 1
-            try:
-                result = self._handler(msg)
-                if result is not None:
-                    await result
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                self.dropped["handler-error"] += 1
-                log.exception("control handler failed on %s", type(msg).__name__)
-            # Let the tasks this message woke (a done() waiter...) run before the next receive.
-            await asyncio.sleep(0)
+                self._loop_or_running().call_later(_ERROR_RETRY_S, self._on_readable)
+            return
+        if frames is not None:
+            result = self._hand_over(frames)
+            if result is not None:
+                self._awaiting = asyncio.ensure_future(self._after(result))
+                return
+        self._loop_or_running().call_soon(self._on_readable)
+
+    def _hand_over(self, frames: list[bytes]) -> Awaitable[None] | None:
+        """Parse and deliver one message; the handler's awaitable, if it returned one."""
+        try:
+            msg = self.parse(frames)
+        except ProtocolError as exc:
+            self._drop(str(exc).split(":")[0], exc)
+            return None
+        except Exception as exc:  # a parser's own bug must not stop the messages behind this one
+            self._drop("malformed", exc)
+            return None
+        if msg is None:
+            return None  # consumed by the protocol layer itself
+        self.received += 1
+        try:
+            return self._handler(msg)
+        except Exception:
+            self._handler_failed(msg)
+            return None
+
+    async def _after(self, result: Awaitable[None]) -> None:
+        """Await an asynchronous handler; the messages behind it are taken once it is over."""
+        try:
+            await result
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self._handler_failed(None)
+        finally:
+            self._awaiting = None
+            if not self._closed:
+                self._loop_or_running().call_soon(self._on_readable)
+
+    def _handler_failed(self, msg: Message | None) -> None:
+        self.dropped["handler-error"] += 1
+        log.exception("control handler failed on %s", type(msg).__name__ if msg is not None else "a message")
+
+    def _loop_or_running(self) -> asyncio.AbstractEventLoop:
+        return self._loop if self._loop is not None else asyncio.get_running_loop()
 
     def _drop(self, cause: str, exc: BaseException) -> None:
         if cause not in self.dropped and len(self.dropped) >= _MAX_CAUSES:
@@ -403,8 +430,13 @@ class ControlPlane:
         """Stop receiving; give queued outbound messages (a last Success status...) up to ``linger``
         seconds to leave, on a helper thread so the event loop never blocks on it."""
         self._closed = True
-        if self._task is not None:
-            await reap(self._task, 1.0)
+        if self._reading is not None and self._loop is not None:
+            self._loop.remove_reader(self._reading)
+            self._reading = None
+        if self._awaiting is not None:
+            awaiting, self._awaiting = self._awaiting, None
+            if isinstance(awaiting, asyncio.Task):
+                await reap(awaiting, 1.0)
         for out in self._out.values():
             out.sock.close(linger=int(linger * 1000))
         self._out.clear()

@@ -7,7 +7,8 @@ endpoint, messages older than the replay window, any counter not above the last 
 endpoint (replays), and a payload naming another sender than the signed one. Inbound messages are read
 frame by frame and a message over the whole-message bound (frame count, total bytes) is discarded as it is
 read, never assembled. Inbound messages that are too large, unauthenticated, or fail decoding/validation
-are counted by cause, logged (rate-limited) and dropped; the receive loop never dies on bad input.
+are counted by cause, logged (rate-limited) and dropped; bad input never stops the receiving. Messages are
+taken in the inbound socket's reader callback, one per callback, and handed to the handler right there.
 Per-peer ordering is ZMQ's per-pipe FIFO: aux bytes sent before a status arrive before it.
 """
 

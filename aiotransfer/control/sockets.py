@@ -13,6 +13,9 @@ libzmq's mailbox signal, not the data: it turns readable when the socket's state
 the reader callback reads them too, or a signal already taken by a send or receive would be waited for in
 vain, and an undrained one would wake the loop on every iteration.
 
+The inbound socket is read in its reader callback itself (``ControlPlane._on_readable`` in ``endpoint.py``), which reads
+``ZMQ_EVENTS`` first for the same reason; :class:`Watch` serves outbound sockets waiting for room.
+
 Every socket here belongs to the loop's thread.
 """
 

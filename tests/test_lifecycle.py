@@ -339,3 +339,67 @@ async def test_a_killed_prefill_leaves_no_staging_space_held_on_the_decode(engin
     finally:
         await victim.close()
         await other.close()
+
+
+@pytest.mark.parametrize("acknowledged", [True, False])
+async def test_an_abort_that_crosses_the_success_is_acknowledged_at_once(
+    monkeypatch: pytest.MonkeyPatch, acknowledged: bool
+) -> None:
+    """The decode aborts a room while the prefill concludes it: the prefill reads the abort after its
+    ``Success`` left but before the ``send_kv`` that sent it returned (the room ended, not yet released).
+    Every write of the room had landed, so the prefill acknowledges the drain at once, and the decode's
+    pages are released without waiting out the quarantine. Two managers in this process on a fake engine
+    whose completion the test gives; the loop is held while the abort travels, so the prefill reads the
+    abort in the loop iteration that sees the write complete. Negative control (``acknowledged=False``): the
+    acknowledgement for an ended Success room withheld, as before; the decode's pages then wait for the
+    quarantine."""
+    from aiotransfer.engines import registry
+    from tests.fake_engine import Fabric, FakeEngine
+
+    fabric = Fabric(time.monotonic)
+    fabric.owner = lambda page: None
+    registry.register_engine("fake-crossing", lambda config: FakeEngine(fabric))
+    seen: list[tuple[KVPoll, bool]] = []
+    on_abort = PrefillSide.on_abort
+
+    def watched(self: PrefillSide, msg: Any) -> bool:
+        ended = self._draining.get(msg.room)
+        if ended is not None:
+            seen.append((ended.status, ended.is_released()))
+            if not acknowledged:
+                return True  # the code before the fix
+        return on_abort(self, msg)
+
+    monkeypatch.setattr(PrefillSide, "on_abort", watched)
+    cfg = TransferConfig(engine="fake-crossing", staging="never", release_quarantine_s=30.0,
+                         yield_after_notify=False, heartbeat_interval=1e5, peer_timeout=1e5)
+    src = make_buffers(2, 16, 4096, seed=1)
+    dst = make_buffers(2, 16, 4096, None)
+    async with (
+        KVManager(KVArgs(src, page_size=16, dtype="uint8"), cfg) as prefill,
+        KVManager(KVArgs(dst, page_size=16, dtype="uint8"), cfg) as decode,
+    ):
+        fabric.label(prefill.engine.session_id, "P", prefill.args.kv)
+        fabric.label(decode.engine.session_id, "D", decode.args.kv)
+        rx = decode.receiver(1, prefill.endpoint)
+        await rx.send_metadata([3], timeout=5)
+        tx = prefill.sender(1)
+        await tx.wait_ready(timeout=5)
+        send = asyncio.ensure_future(tx.send_kv([5], timeout=5))
+        for _ in range(5000):
+            if fabric.live():
+                break
+            await asyncio.sleep(0.001)
+        (write,) = fabric.live()
+        fabric.complete(write)  # the prefill's poll loop sees it at its next round...
+        await rx.abort("the client went away")  # ...and the abort is on its way: the two cross
+        time.sleep(0.3)  # noqa: ASYNC251 (the loop is held on purpose while the abort reaches the prefill)
+        await send
+        assert tx.poll() is KVPoll.Success and rx.poll() is KVPoll.Failed
+        assert seen == [(KVPoll.Success, False)]  # read after Success, before the room was released
+        if acknowledged:
+            await rx.released(timeout=2)
+            assert rx.release_cause == "drained"
+        else:
+            with pytest.raises(TransferTimeout):
+                await rx.released(timeout=1)

@@ -305,8 +305,15 @@ class PrefillSide:
             # stops posting at once; the drain acknowledgement follows when its last handle is terminal
             tx.update(KVPoll.Failed, decode_reason(msg.reason))
             return True
-        if msg.room in self._draining:
-            return True  # the acknowledgement follows when the room has drained
+        ended = self._draining.get(msg.room)
+        if ended is not None:
+            if ended.status is KVPoll.Success and msg.endpoint in ended.decode_endpoints:
+                # Success left only once every write of the room had landed: nothing of it can write into the
+                # decode's pages any more, though the call that sent it has not returned yet (the abort
+                # crossed the Success on the wire). Waiting for that call's release would send nothing: a
+                # room released with Success tells nobody it drained.
+                self.drained_now(msg.room, msg.endpoint)
+            return True  # a failed room: the acknowledgement follows when it has drained
         if self.pending.pop(msg.room) is not None or mismatch:
             self.drained_now(msg.room, msg.endpoint, decode_reason(msg.reason))  # nothing was posted for it
             return True

@@ -596,6 +596,25 @@ class World:
                     raise Violation(f"(c) every room is terminal and no write is live, yet {node.name} has "
                                     f"{key}={stats[key]}")
 
+    def check_drains(self) -> None:
+        """(e), once every write is over and the loop is quiet: a decode room waits for no drain from a stage
+        whose side of the room was released (that acknowledgement never comes; the pages would sit out the
+        quarantine)."""
+        stages = {n.mgr.endpoint: n for n in self.nodes.values() if not n.mgr._ctx.closed}
+        for room in self.rooms.values():
+            rx = self.rx(room)
+            if rx is None or room.exempt or rx.is_released():
+                continue
+            for ep in rx.awaiting_drain:
+                node = stages.get(ep)
+                if node is None:
+                    continue
+                tx = self.tx(room, node.label)
+                self.checks += 1
+                if tx is not None and tx.is_released():
+                    raise Violation(f"(e) room {room.rid}: the decode waits for a drain from {node.label}, whose "
+                                    f"side ended {tx.status.name} and was released")
+
     def check_bounds(self, before: float) -> None:
         """(d): a call whose bound had passed when the last step started has had a quiet loop to end."""
         for op in self.ops:
@@ -633,6 +652,7 @@ class World:
                 break
             for w in live:
                 self.fabric.complete(w)
+        self.check_drains()
         self.advance(QUARANTINE + 1.0)
         before = self.loop.time()
         self.step()

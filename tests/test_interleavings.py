@@ -18,7 +18,9 @@ step it checks:
     scheduler does, only when ``rx.is_released()``;
 (b) a room ends once on each side, and once both sides have failed they name the same reason;
 (c) once every room is terminal and no write is live, nothing is in flight, held or staged anywhere;
-(d) no public call outlives its timeout (plus the time to notice it: one quiet loop).
+(d) no public call outlives its timeout (plus the time to notice it: one quiet loop);
+(e) at the end of a run, once every write is over: no decode room waits for a drain acknowledgement from a
+    stage whose side of the room was released (it would never come: the pages would sit out the quarantine).
 
 Differences the checks allow. By design, from the docs: a prefill stage that concluded Success while the
 decode failed the room (the decode gave up, or the other stage failed: each stage concludes on its own); a
@@ -357,3 +359,24 @@ def test_the_checks_catch_a_call_that_outlives_its_timeout() -> None:
         w.advance(1.0)  # its bound passes before the next step, which is a quiet loop to notice it in
         with pytest.raises(Violation, match=r"\(d\) a wait with no end"):
             checked(w)
+
+
+def test_the_checks_catch_a_drain_acknowledgement_that_never_comes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the decode deaf to drain acknowledgements, a room it aborted waits for stages whose side of the
+    room was released: invariant (e), before the run's end moves the clock past the quarantine."""
+    from aiotransfer._kv.decode import DecodeSide
+
+    monkeypatch.setattr(DecodeSide, "on_drained", lambda self, msg: None)
+    with world() as w:
+        room = w.new_room(scattered=False)
+        assert room is not None
+
+        def ready() -> None:
+            for stage in STAGES:
+                w.open_sender(room, stage)
+            w.send_metadata(room, 2.5)
+
+        checked(w, ready)
+        checked(w, lambda: w.rx_abort(room))
+        with pytest.raises(Violation, match=r"\(e\) room .* waits for a drain from P"):
+            w.finish()

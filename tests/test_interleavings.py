@@ -326,6 +326,20 @@ def checked(w: World, action: Callable[[], Any] = lambda: None) -> None:
     w.check(before)
 
 
+def _asked_room(w: World) -> Room:
+    """A room whose decode sent its metadata to both stages, each with a sender open."""
+    room = w.new_room(scattered=False)
+    assert room is not None
+
+    def ready() -> None:
+        for stage in STAGES:
+            w.open_sender(room, stage)
+        w.send_metadata(room, 2.5)
+
+    checked(w, ready)
+    return room
+
+
 def test_the_checks_catch_a_decode_that_releases_without_a_drain(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the decode's drain wait removed (a failed room releases its pages at once), an abort while a
     write is live is caught: invariant (a)."""
@@ -336,15 +350,7 @@ def test_the_checks_catch_a_decode_that_releases_without_a_drain(monkeypatch: py
 
     monkeypatch.setattr(KVReceiver, "_changed", release_at_once)
     with world() as w:
-        room = w.new_room(scattered=False)
-        assert room is not None
-
-        def ready() -> None:
-            for stage in STAGES:
-                w.open_sender(room, stage)
-            w.send_metadata(room, 2.5)
-
-        checked(w, ready)
+        room = _asked_room(w)
         checked(w, lambda: w.send_kv(room, "P0", 2.5))
         assert w.fabric.live(), "the write stays live until the test completes it"
         with pytest.raises(Violation, match=r"\(a\) write .* is live over decode page"):
@@ -368,15 +374,7 @@ def test_the_checks_catch_a_drain_acknowledgement_that_never_comes(monkeypatch: 
 
     monkeypatch.setattr(DecodeSide, "on_drained", lambda self, msg: None)
     with world() as w:
-        room = w.new_room(scattered=False)
-        assert room is not None
-
-        def ready() -> None:
-            for stage in STAGES:
-                w.open_sender(room, stage)
-            w.send_metadata(room, 2.5)
-
-        checked(w, ready)
+        room = _asked_room(w)
         checked(w, lambda: w.rx_abort(room))
         with pytest.raises(Violation, match=r"\(e\) room .* waits for a drain from P"):
             w.finish()

@@ -55,10 +55,10 @@ MAX_FRAMES = 64
 FRAME_OVERHEAD = 1024
 """Bytes a message may carry beyond ``max_message_bytes``: the signed header and the MAC."""
 _MAX_CAUSES = 64
-_ERROR_RETRY_S = 0.01
-"""After a receive that failed with a socket error, the next one is tried this much later (not at once: an error
-that persists would otherwise keep the loop busy)."""
 """Distinct drop causes counted by name; any further cause is counted as ``other``."""
+_ERROR_RETRY_S = 0.01
+"""After a receive that failed (a socket error, or nothing to read where ``ZMQ_EVENTS`` said a message was in),
+the next one is tried this much later: the descriptor's signal was taken, and no new one may come."""
 
 
 _sched_yield: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
@@ -365,11 +365,10 @@ class ControlPlane:
             if not int(pull.getsockopt(zmq.EVENTS)) & zmq.POLLIN or self._awaiting is not None:
                 return
             frames = self._take(pull)
-        except zmq.Again:
-            return
         except zmq.ZMQError as exc:
             if not self._closed:
-                self._drop("socket-error", exc)
+                if not isinstance(exc, zmq.Again):
+                    self._drop("socket-error", exc)
                 self._loop_or_running().call_later(_ERROR_RETRY_S, self._on_readable)
             return
         if frames is not None:

@@ -1,16 +1,18 @@
 """Plain ZeroMQ sockets on the loop (``aiotransfer.control.sockets``): sends keep their order when the peer's
-queue is full, a bounded send withdraws its message, and an idle socket does not wake the loop."""
+queue is full, a bounded send withdraws its message, and an idle control plane does not wake the loop."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
 import zmq
 
+from aiotransfer.control.endpoint import ControlPlane
+from aiotransfer.control.messages import Message, Ping
 from aiotransfer.control.sockets import OrderedSender, Watch
 
 
@@ -80,23 +82,52 @@ async def test_a_cancelled_waiting_send_hands_the_turn_on(pair: tuple[zmq.Socket
     assert got[-1] == b"b" and b"a" not in got
 
 
-async def test_an_idle_watched_socket_does_not_wake_the_loop(pair: tuple[zmq.Socket[Any], zmq.Socket[Any]]) -> None:
-    """libzmq's descriptor stays readable until its signal is drained: a watch that did not drain it would
-    run its callback on every loop iteration and spin a CPU."""
-    push, pull = pair
-    watch = Watch(pull, zmq.POLLIN)
-    watch.start()
-    try:
-        for i in range(2):
-            push.send(b"%d" % i)  # signals the descriptor while nobody waits
-            await asyncio.sleep(0.01)
-            await watch.wait()
-            assert pull.recv(zmq.NOBLOCK) == b"%d" % i
-        push.send(b"late")
+async def test_an_idle_control_plane_does_not_wake_the_loop() -> None:
+    """libzmq's descriptor stays readable until its signal is drained: a reader callback that did not drain it
+    would run on every loop iteration and spin a CPU, idle or while an asynchronous handler holds the
+    messages behind it. The messages that came meanwhile are still handed over, in order."""
+    got: list[int] = []
+    gate = asyncio.Event()
+
+    async def held(nonce: int) -> None:
+        await gate.wait()
+        got.append(nonce)
+
+    def handler(msg: Message) -> Awaitable[None] | None:
+        assert isinstance(msg, Ping)
+        if msg.nonce == 1:
+            return held(msg.nonce)  # the messages behind it wait until it is over
+        got.append(msg.nonce)
+        return None
+
+    async def idle_cpu() -> float:
         cpu = time.process_time()
         await asyncio.sleep(0.5)
-        assert time.process_time() - cpu < 0.1, "the loop spun on the socket's descriptor"
-        await asyncio.wait_for(watch.wait(), 5)  # the message that came while nobody waited is still seen
-        assert pull.recv(zmq.NOBLOCK) == b"late"
+        return time.process_time() - cpu
+
+    async def until(cond: Callable[[], bool]) -> None:
+        for _ in range(500):
+            if cond():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("not reached within 5 s")
+
+    plane = ControlPlane("127.0.0.1", 0, handler, max_sockets=4, max_message_bytes=4096)
+    peer = ControlPlane("127.0.0.1", 0, lambda _: None, max_sockets=4, max_message_bytes=4096)
+    await plane.start()
+    await peer.start()
+    try:
+        await peer.send(plane.endpoint, Ping(endpoint=peer.endpoint, nonce=1), timeout=5)
+        await until(lambda: plane.received == 1)
+        for nonce in (2, 3):  # they signal the descriptor while the handler of the first holds them
+            await peer.send(plane.endpoint, Ping(endpoint=peer.endpoint, nonce=nonce), timeout=5)
+        assert await idle_cpu() < 0.1, "the loop spun on the descriptor while a handler held the messages"
+        assert got == [] and plane.received == 1
+        gate.set()
+        await until(lambda: got == [1, 2, 3])
+        assert await idle_cpu() < 0.1, "the loop spun on an idle socket's descriptor"
+        await peer.send(plane.endpoint, Ping(endpoint=peer.endpoint, nonce=4), timeout=5)
+        await until(lambda: got == [1, 2, 3, 4])  # a message after the idle time is still seen
     finally:
-        watch.stop()
+        await peer.aclose(0.0)
+        await plane.aclose(0.0)

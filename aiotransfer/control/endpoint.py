@@ -357,8 +357,8 @@ class ControlPlane:
         it arrive. While messages remain, the next one is taken in a callback scheduled after whatever this
         one woke (a ``done()`` waiter runs before the next receive). A handler that returns an awaitable
         holds the messages behind it until it is over, as in order delivery requires (:meth:`_after`)."""
-        pull = self._pull
-        if pull is None or self._closed:
+        pull, loop = self._pull, self._loop
+        if pull is None or loop is None or self._closed:
             return
         try:
             # reading EVENTS also clears the descriptor's signal: the callback is not called again for it
@@ -369,14 +369,14 @@ class ControlPlane:
             if not self._closed:
                 if not isinstance(exc, zmq.Again):
                     self._drop("socket-error", exc)
-                self._loop_or_running().call_later(_ERROR_RETRY_S, self._on_readable)
+                loop.call_later(_ERROR_RETRY_S, self._on_readable)
             return
         if frames is not None:
             result = self._hand_over(frames)
             if result is not None:
                 self._awaiting = asyncio.ensure_future(self._after(result))
                 return
-        self._loop_or_running().call_soon(self._on_readable)
+        loop.call_soon(self._on_readable)
 
     def _hand_over(self, frames: list[bytes]) -> Awaitable[None] | None:
         """Parse and deliver one message; the handler's awaitable, if it returned one."""
@@ -408,14 +408,11 @@ class ControlPlane:
         finally:
             self._awaiting = None
             if not self._closed:
-                self._loop_or_running().call_soon(self._on_readable)
+                asyncio.get_running_loop().call_soon(self._on_readable)
 
     def _handler_failed(self, msg: Message | None) -> None:
         self.dropped["handler-error"] += 1
         log.exception("control handler failed on %s", type(msg).__name__ if msg is not None else "a message")
-
-    def _loop_or_running(self) -> asyncio.AbstractEventLoop:
-        return self._loop if self._loop is not None else asyncio.get_running_loop()
 
     def _drop(self, cause: str, exc: BaseException) -> None:
         if cause not in self.dropped and len(self.dropped) >= _MAX_CAUSES:

@@ -41,7 +41,6 @@ class Watch:
         self._fd = cast(int, sock.getsockopt(zmq.FD))
         self._loop = asyncio.get_running_loop()
         self._waiter: asyncio.Future[None] | None = None
-        self._watching = False
 
     def _signalled(self) -> None:
         try:
@@ -55,24 +54,12 @@ class Watch:
     def _pending(self) -> bool:
         return bool(int(cast(int, self._sock.getsockopt(zmq.EVENTS))) & self._event)
 
-    def start(self) -> None:
-        """Watch the descriptor until :meth:`stop` (one registration for many waits)."""
-        if not self._watching:
-            self._loop.add_reader(self._fd, self._signalled)
-            self._watching = True
-
-    def stop(self) -> None:
-        if self._watching:
-            self._watching = False
-            self._loop.remove_reader(self._fd)
-
     async def wait(self, timeout: float | None = None) -> None:
         """Return once the event is pending (at once if it is); :class:`asyncio.TimeoutError` after
-        ``timeout`` seconds (None: no bound)."""
+        ``timeout`` seconds (None: no bound). The descriptor is watched only while this waits."""
         if self._pending():
             return
-        registered = self._watching
-        self.start()
+        self._loop.add_reader(self._fd, self._signalled)
         self._waiter = waiter = self._loop.create_future()
         try:
             if timeout is None:
@@ -81,8 +68,7 @@ class Watch:
                 await within(waiter, timeout)
         finally:
             self._waiter = None
-            if not registered:
-                self.stop()
+            self._loop.remove_reader(self._fd)
 
 
 class OrderedSender:

@@ -220,7 +220,6 @@ class _Xfer:
 
     native: Any
     released: bool = False
-    done_at_post: bool = False
 
 
 class NixlEngine(AgentEngine):
@@ -437,7 +436,7 @@ class NixlEngine(AgentEngine):
         if state == "ERR":
             self._release(xfer)
             raise EngineError(f"NIXL refused to post a {n}-entry write to {peer} (ERR)")
-        xfer.done_at_post = handle.landed = state == "DONE"
+        handle.landed = state == "DONE"
         self._live.add(handle)
         return handle
 
@@ -453,7 +452,7 @@ class NixlEngine(AgentEngine):
         with contextlib.ExitStack() as held:
             held.callback(self._lock.release)
             self._check_open()
-            if handle.token.done_at_post:
+            if handle.landed:  # transfer() reported it DONE: check_xfer_state is not asked again
                 return self._terminal(handle, EngineStatus.DONE)
             try:
                 with map_errors(f"NIXL transfer to {handle.peer} failed"):

@@ -75,6 +75,8 @@ class Blocks(NamedTuple):
 _FEW = 16
 """Up to this many values, Python's ``min``/``max``/``sum`` over a list beat NumPy's reductions (about 0.3 us
 against 2-3 us each): a small room's page list and engine entries are checked several times on its path."""
+_FEW_UNIQUE = 64
+"""Up to this many pages, uniqueness is checked with a Python set (1-2 us against 3-4 us for the sort)."""
 
 
 def bounds(arr: npt.NDArray[np.integer[Any]]) -> tuple[int, int]:
@@ -142,6 +144,10 @@ def check_unique(pages: npt.NDArray[np.integer[Any]], *, what: str) -> None:
     """Raise :class:`InvalidArgument` if any page appears more than once."""
     if pages.size < 2:
         return
+    if pages.size <= _FEW_UNIQUE:
+        vals = pages.tolist()
+        if len(set(vals)) == len(vals):
+            return
     ordered = np.sort(pages, kind="stable")
     repeated = ordered[1:] == ordered[:-1]
     if repeated.any():

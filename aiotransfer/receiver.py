@@ -116,7 +116,7 @@ class KVReceiver(RoomSide):
         if self._sent:
             raise InvalidArgument(f"room {self.room}: metadata was already sent")
         pages = as_index_array(kv_indices, what="kv_indices")
-        check_range(pages, ctx.args.num_pages, what="kv_indices")
+        check_range(pages, ctx.num_pages, what="kv_indices")
         check_unique(pages, what="kv_indices")
         if pages.size and bounds(pages)[1] >= 2**31:
             raise InvalidArgument("kv_indices must fit in int32")

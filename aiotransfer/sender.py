@@ -360,7 +360,7 @@ class KVSender(RoomSide):
         if self._status is KVPoll.Success or self._last_reserved:
             raise InvalidArgument(f"room {self.room}: the last chunk was already sent")
         src = as_index_array(indices, what="send_kv indices")
-        check_range(src, ctx.args.num_pages, what="send_kv indices")
+        check_range(src, ctx.num_pages, what="send_kv indices")
         assert self._num_dst_pages is not None
         if self.is_dummy:
             # Every decode rank told us to stand by (MLA / CP / replica dummies): nothing moves, but the

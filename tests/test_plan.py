@@ -138,6 +138,18 @@ def test_check_unique() -> None:
         check_unique(arr(7, 1, 9, 7), what="dst")
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 300), max_size=200))
+def test_check_unique_refuses_exactly_the_lists_with_a_repeat(values: list[int]) -> None:
+    """Short lists (a set) and long ones (a sort) give the same verdict, and name the smallest repeat."""
+    repeats = sorted(v for v in set(values) if values.count(v) > 1)
+    if not repeats:
+        check_unique(np.array(values, dtype=np.int64), what="dst")
+        return
+    with pytest.raises(InvalidArgument, match=rf"page {repeats[0]} appears more than once"):
+        check_unique(np.array(values, dtype=np.int64), what="dst")
+
+
 # ------------------------------------------------------------- coalesce_runs
 
 

@@ -86,6 +86,8 @@ class RankContext:
         self.copier: ArenaCopier | None = staging[1] if staging is not None else None
         self.arena: StagingArena | None = self.copier.arena if self.copier is not None else None
         self.kv_bases = np.array([b.ptr for b in args.kv], dtype=np.uint64)
+        self.num_pages = args.num_pages
+        """Pages addressable in every KV buffer: the bound of page indices, fixed with the registered memory."""
         self.aux_bases = np.array([b.ptr for b in args.aux], dtype=np.uint64)
         self.aux_item_lens = np.array([b.item_len for b in args.aux], dtype=np.uint64)
         self.compat = args.compat_hash()

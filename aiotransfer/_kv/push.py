@@ -160,7 +160,7 @@ class Pusher:
                                   "the same geometry")
         src = as_index_array(src_pages, what="src_pages")
         dst = as_index_array(dst_pages, what="dst_pages")
-        check_range(src, self._ctx.args.num_pages, what="src_pages")
+        check_range(src, self._ctx.num_pages, what="src_pages")
         check_range(dst, peer.num_pages, what="dst_pages")
         if src.size != dst.size:
             raise InvalidArgument(f"src_pages has {src.size} pages, dst_pages {dst.size}")

@@ -59,6 +59,8 @@ _MAX_CAUSES = 64
 _ERROR_RETRY_S = 0.01
 """After a receive that failed (a socket error, or nothing to read where ``ZMQ_EVENTS`` said a message was in),
 the next one is tried this much later: the descriptor's signal was taken, and no new one may come."""
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+"""Plain ints: ``int & IntFlag`` goes through the enum machinery on every message."""
 
 
 _sched_yield: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
@@ -362,7 +364,7 @@ class ControlPlane:
             return
         try:
             # reading EVENTS also clears the descriptor's signal: the callback is not called again for it
-            if not int(pull.getsockopt(zmq.EVENTS)) & zmq.POLLIN or self._awaiting is not None:
+            if not pull.getsockopt(_EVENTS) & _POLLIN or self._awaiting is not None:
                 return
             frames = self._take(pull)
         except zmq.ZMQError as exc:

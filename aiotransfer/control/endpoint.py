@@ -25,7 +25,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import zmq
 from zmq.utils import z85
@@ -364,7 +364,7 @@ class ControlPlane:
             return
         try:
             # reading EVENTS also clears the descriptor's signal: the callback is not called again for it
-            if not pull.getsockopt(_EVENTS) & _POLLIN or self._awaiting is not None:
+            if not cast(int, pull.getsockopt(_EVENTS)) & _POLLIN or self._awaiting is not None:
                 return
             frames = self._take(pull)
         except zmq.ZMQError as exc:

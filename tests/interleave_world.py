@@ -10,31 +10,26 @@ import itertools
 import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import zmq
 import zmq.asyncio
 
-from aiotransfer import KVArgs, KVManager, KVPoll, TransferConfig
-from aiotransfer.control.messages import HelloAck, Status, Topology
+from aiotransfer import KVManager, KVPoll, TransferConfig
+from aiotransfer.control.messages import Status
 from aiotransfer.engines import registry
 from aiotransfer.receiver import KVReceiver, decode_reason
 from aiotransfer.sender import KVSender
 from tests.fake_engine import Fabric, FakeEngine, Page, Write
+from tests.interleave_parts import PAGES, STAGES, Mailbox, Node, Op, QuickContext, Room, SkewLoop, node_args
 
 ENGINE = "fake-interleave"
-PS, HEADS, HEAD_BYTES, PAGES = 2, 1, 16, 12
-ITEM = PS * HEADS * HEAD_BYTES
 ROOM_PAGES = 2
 ENGINE_TIMEOUT = 5.0
 QUARANTINE = 2 * ENGINE_TIMEOUT + 1.0
 """Longer than any fake write can stay live (they fail in the engine after ``ENGINE_TIMEOUT``)."""
 MARGIN = 0.25
 """Loop seconds a bounded call may take past its timeout to notice it."""
-STAGES = ("P0", "P1")
-
 EXAMPLES = int(os.environ.get("AIOTRANSFER_INTERLEAVING_EXAMPLES", "0")) or 40
 STEPS = int(os.environ.get("AIOTRANSFER_INTERLEAVING_STEPS", "0")) or 25
 SOAK = "AIOTRANSFER_INTERLEAVING_EXAMPLES" in os.environ
@@ -50,126 +45,6 @@ CONFIG: dict[str, Any] = dict(
 
 class Violation(AssertionError):
     """An invariant of the page lifecycle failed."""
-
-
-class SkewLoop(asyncio.SelectorEventLoop):
-    """An event loop whose clock runs ``SLOW`` times slower than real time, and which the test moves
-    forward (timers fall due at once). A run of a few seconds of real time lasts a fraction of the shortest
-    timeout here: timeouts expire when the test advances the clock, at the same step on every replay."""
-
-    SLOW = 20.0
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.skew = 0.0
-        self._origin = time.monotonic()
-
-    def time(self) -> float:
-        return self._origin + (time.monotonic() - self._origin) / self.SLOW + self.skew
-
-
-class _QuickContext(zmq.Context):
-    """ZeroMQ sockets that reconnect to a restarted peer within milliseconds (the default waits 100 ms),
-    so that what a step sends has arrived when the step ends."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.setsockopt(zmq.RECONNECT_IVL, 2)
-
-
-class Mailbox:
-    """A manager's inbound control messages, received over ZeroMQ and handed to the manager when the test
-    delivers them: in one order on every replay (by sender, each sender's in arrival order). Topology and
-    registration answers are held back while ``hold_route`` is set (a slow route)."""
-
-    ROUTE = (HelloAck, Topology)
-
-    def __init__(self, dispatch: Callable[[Any], None], hold_route: bool = False) -> None:
-        self.dispatch = dispatch
-        self.hold_route = hold_route
-        self.inbox: list[tuple[str, int, Any]] = []
-        self.arrived = 0
-
-    def __call__(self, msg: Any) -> None:
-        self.arrived += 1
-        self.inbox.append((str(getattr(msg, "endpoint", "")), self.arrived, msg))
-
-    def take(self) -> list[Any]:
-        """The messages to deliver now, in order; held ones stay."""
-        ready = [m for m in self.inbox if not (self.hold_route and isinstance(m[2], self.ROUTE))]
-        self.inbox = [m for m in self.inbox if m not in ready]
-        return [m[2] for m in sorted(ready, key=lambda m: (m[0], m[1]))]
-
-
-@dataclass
-class Node:
-    """One manager incarnation."""
-
-    label: str
-    mgr: KVManager
-    bufs: list[np.ndarray]
-    incarnation: int
-    mailbox: Mailbox
-    sent_to: dict[str, int] = field(default_factory=dict)
-    """Messages this manager handed to ZeroMQ, by destination endpoint."""
-    base: dict[str, int] = field(default_factory=dict)
-    """``sent_to`` when the manager now at that endpoint started (what was sent before went to its
-    predecessor)."""
-
-    def count_sends(self) -> None:
-        """Count what the control plane sends (the test waits until it has all arrived)."""
-        plane = self.mgr._ctx.control
-        send_frames, try_send = plane.send_frames, plane.try_send
-
-        async def counted_send(endpoint: str, frames: list[bytes], **kw: Any) -> None:
-            await send_frames(endpoint, frames, **kw)
-            self.sent_to[endpoint] = self.sent_to.get(endpoint, 0) + 1
-
-        def counted_try(endpoint: str, msg: Any, **kw: Any) -> bool:
-            ok = try_send(endpoint, msg, **kw)
-            if ok:
-                self.sent_to[endpoint] = self.sent_to.get(endpoint, 0) + 1
-            return ok
-
-        plane.send_frames = counted_send  # type: ignore[method-assign]
-        plane.try_send = counted_try  # type: ignore[method-assign]
-
-    @property
-    def name(self) -> str:
-        return f"{self.label}#{self.incarnation}"
-
-
-@dataclass
-class Room:
-    rid: int
-    pages: list[int]
-    src: list[int]
-    rx: KVReceiver
-    rx_node: str
-    txs: dict[str, tuple[KVSender, str]] = field(default_factory=dict)
-    exempt: bool = False
-    """A manager of this room restarted while it was open: its reasons differ by design."""
-    terminal: dict[str, tuple[KVPoll, int]] = field(default_factory=dict)
-    """Per side, the first terminal status seen and the step it was seen after."""
-
-
-@dataclass
-class Op:
-    name: str
-    task: asyncio.Task[Any]
-    started: float
-    bound: float
-
-
-def _args(label: str) -> tuple[KVArgs, list[np.ndarray]]:
-    if label == "D":
-        bufs = [np.zeros((PAGES, ITEM), dtype=np.uint8) for _ in range(4)]
-        return KVArgs(bufs, page_size=PS, dtype="uint8", kv_layer_ids=[0, 0, 1, 1], kv_heads=HEADS,
-                      total_kv_heads=HEADS), bufs
-    q = STAGES.index(label)
-    bufs = [np.full((PAGES, ITEM), q + 1, dtype=np.uint8) for _ in range(2)]
-    return KVArgs(bufs, page_size=PS, dtype="uint8", pp_size=2, pp_rank=q, kv_layer_ids=[q, q],
-                  kv_heads=HEADS, total_kv_heads=HEADS), bufs
 
 
 class World:
@@ -192,7 +67,7 @@ class World:
         self.fabric.owner = self._owner
         registry.register_engine(ENGINE, lambda config: FakeEngine(self.fabric))
         self._context = zmq.Context
-        zmq.Context = _QuickContext  # type: ignore[misc]
+        zmq.Context = QuickContext  # type: ignore[misc]
 
     # -- running -------------------------------------------------------------------------------
     def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
@@ -280,7 +155,7 @@ class World:
 
     # -- managers ------------------------------------------------------------------------------
     async def start_node(self, label: str, port: int = 0) -> Node:
-        args, bufs = _args(label)
+        args, bufs = node_args(label)
         extra: dict[str, Any] = {"control_port": port}
         if label == "P1":
             extra["bootstrap"] = self.nodes["P0"].mgr.endpoint
@@ -292,12 +167,35 @@ class World:
         self.incarnations += 1
         node = Node(label, mgr, bufs, self.incarnations, mailbox)
         node.count_sends()
+        self._read_mail_at_completion(node)
         for other in self.nodes.values():
             if other.label != label:
                 other.base[mgr.endpoint] = other.sent_to.get(mgr.endpoint, 0)
         self.nodes[label] = node
         self.fabric.label(mgr.engine.session_id, node.name, args.kv)
         return node
+
+    def _read_mail_at_completion(self, node: Node) -> None:
+        """When armed, the node's held mail is read right after the poll that sees one of its writes end:
+        queued before the task waiting on the write wakes, as a message that arrived with the completion is
+        (the reader callback and the poll fall in the same loop iteration)."""
+        engine = node.mgr.engine
+        check = engine.check
+
+        def check_then_read(handle: Any) -> Any:
+            status = check(handle)
+            if node.mail_at_completion and status.is_terminal:
+                node.mail_at_completion = False
+                self.loop.call_soon(self._read_held, node)
+            return status
+
+        engine.check = check_then_read  # type: ignore[method-assign]  # before the poll loop first reads it
+
+    def _read_held(self, node: Node) -> None:
+        node.mailbox.held = False
+        if self.alive(node.name):
+            for msg in node.mailbox.take():
+                node.mailbox.dispatch(msg)
 
     async def start(self) -> None:
         for label in ("P0", "P1", "D"):
@@ -372,7 +270,9 @@ class World:
                         del self.pool[p]
 
     # -- actions ---------------------------------------------------------------------------------
-    def new_room(self, scattered: bool) -> Room | None:
+    def new_room(self, scattered: bool, whole: bool = False) -> Room | None:
+        """``whole``: our pages one run too, so a stage's write is one handle and its Success leaves from the
+        write's completion (two runs, the default, make two handles of the two-entry batches)."""
         pages = self.allocate(scattered)
         if pages is None:
             return None
@@ -381,13 +281,13 @@ class World:
         rx = d.mgr.receiver(rid, self.nodes["P0"].mgr.endpoint)
         for p in pages:
             self.pool[p] = rid
-        src = [(2 * rid) % PAGES, (2 * rid + 5) % PAGES]
+        src = [(2 * rid) % PAGES, (2 * rid + (1 if whole else 5)) % PAGES]
         room = self.rooms[rid] = Room(rid, pages, src, rx, d.name)
         return room
 
-    def ready(self, scattered: bool) -> Room | None:
+    def ready(self, scattered: bool, whole: bool = False) -> Room | None:
         """A room opened on both sides, its metadata on its way."""
-        room = self.new_room(scattered)
+        room = self.new_room(scattered, whole)
         if room is not None:
             for stage in STAGES:
                 self.open_sender(room, stage)
@@ -468,6 +368,18 @@ class World:
             w = live[index % len(live)]
             (self.fabric.complete if ok else self.fabric.fail)(w)
 
+    def hold_mail(self, label: str, hold: bool) -> None:
+        self.nodes[label].mailbox.held = hold
+
+    def write_ends_with_mail(self, index: int, ok: bool) -> None:
+        """One live write ends, and the mail its manager holds is read in the iteration that sees it end."""
+        live = self.fabric.live()
+        if live:
+            w = live[index % len(live)]
+            for node in self.nodes.values():
+                node.mail_at_completion |= node.mgr.engine.session_id == w.src and node.mailbox.held
+            (self.fabric.complete if ok else self.fabric.fail)(w)
+
     async def settle_all(self, ok: bool) -> None:
         """Until no write is live: each completes (or fails), and the writes waiting for credit follow."""
         for _ in range(8):
@@ -546,13 +458,14 @@ class World:
         for room in self.rooms.values():
             sides: list[tuple[str, Any, str]] = [("rx", room.rx, room.rx_node)]
             sides += [(f"{s}@{n}", tx, n) for s, (tx, n) in room.txs.items()]
-            for key, side, _ in sides:
+            for key, side, name in sides:
                 self.checks += 1
                 status = side.poll()
                 first = room.terminal.get(key)
                 if first is None:
                     if status.is_terminal:
-                        room.terminal[key] = (status, self.steps)
+                        unread = any(n.name == name and n.mailbox.held and n.mailbox.inbox for n in self.nodes.values())
+                        room.terminal[key] = (status, self.steps, unread)
                 elif status is not first[0] or side.status is not first[0]:
                     raise Violation(f"(b) room {room.rid} ended twice on {key}: {first[0].name} then {side.status.name}")
             if room.exempt:
@@ -571,8 +484,8 @@ class World:
                 if rx.status is KVPoll.Failed and tx.status is KVPoll.Failed:
                     mine, theirs = tx.failure_reason or "", rx.failure_reason or ""
                     relayed = mine == decode_reason(theirs)
-                    crossed = (room.terminal["rx"][1] == room.terminal[f"{stage}@{room.txs[stage][1]}"][1]
-                               and not mine.startswith("aborted by decode"))
+                    _, step, unread = room.terminal[f"{stage}@{room.txs[stage][1]}"]
+                    crossed = (room.terminal["rx"][1] == step or unread) and not mine.startswith("aborted by decode")
                     if mine != theirs and not relayed and not crossed:
                         raise Violation(f"(b) room {room.rid} failed with different reasons: decode {theirs!r}, "
                                         f"{stage} {mine!r}")
@@ -629,7 +542,13 @@ class World:
     def finish(self) -> None:
         """End every room (aborts from both sides, every write completed, the quarantine passed), then
         check that everything was released and returned."""
-        self.step(self.release_route)
+
+        def let_through() -> None:
+            self.release_route()
+            for node in self.nodes.values():
+                node.mailbox.held = False
+
+        self.step(let_through)
 
         def abort_decode() -> None:
             for room in self.rooms.values():

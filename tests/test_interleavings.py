@@ -3,11 +3,14 @@
 Three managers in this process on a fake engine (``tests/fake_engine.py``) and real ZeroMQ on 127.0.0.1:
 two prefill pipeline stages (PP 2, stage 0 the bootstrap leader) and one decode (PP 1) that pulls each
 room from both stages. The test owns the event loop (its clock can be moved forward), every engine
-write's completion, engine credit (two entries in flight per peer), and the delivery of the decode's
-topology and registration answers (held back to make a route slow). A hypothesis state machine
+write's completion, engine credit (two entries in flight per peer), the delivery of the decode's
+topology and registration answers (held back to make a route slow), and a stage's mail (held back, then
+read later, or in the loop iteration whose poll sees one of its writes end: a message that arrived with the
+completion, read before the call waiting on the write resumes). A hypothesis state machine
 interleaves opening rooms, metadata, whole and streamed sends, aborts from either side, ``done()`` and
 ``released()`` waits with short timeouts, restarts of any manager on its port, heartbeats, forged
-duplicate Success reports, engine completions and failures, and time. Each step runs the loop until it
+duplicate Success reports, engine completions and failures (with or without the held mail read at once),
+and time. Each step runs the loop until it
 is quiet: every message sent has arrived and was delivered (manager by manager, each sender's in order),
 and nothing moves; the loop's clock runs twenty times slower than real time, so timeouts expire when a
 step advances it, at the same step on every replay. Staging is off (direct writes only). After every
@@ -26,7 +29,8 @@ Differences the checks allow. By design, from the docs: a prefill stage that con
 decode failed the room (the decode gave up, or the other stage failed: each stage concludes on its own); a
 stage that no request of the decode reached (it has no room to share a reason with yet); two sides that
 fail on their own in the same instant (aborts that cross, timeouts that expire together, both stages'
-writes failing at once: the decode takes the first reason it hears), each keeping its own reason; rooms
+writes failing at once: the decode takes the first reason it hears) or while one still holds the other's
+message unread (a held abort that crossed the stage's own failure), each keeping its own reason; rooms
 open on a manager that restarted (the dead side ends with ``manager closed``). A stage told of a failure by the decode's abort words it ``aborted by decode: <reason>`` where the
 decode's own reason is ``<reason>`` (another stage's failure, a restarted or refusing stage), as
 docs/errors.md says: the checks accept that wording.
@@ -34,6 +38,10 @@ docs/errors.md says: the checks accept that wording.
 ``AIOTRANSFER_INTERLEAVING_EXAMPLES`` and ``AIOTRANSFER_INTERLEAVING_STEPS`` raise the budget
 (``make soak``, which also shrinks a failing run to a minimal one; ``AIOTRANSFER_INTERLEAVING_SHRINK=1``
 does that at the fixed budget).
+
+An abort against the write that concludes a stage's side is also run in every order (read before the write
+ends, with its completion, after the call that sent it returned; the write done or failed; either stage),
+with a negative control: the explorer above reaches that crossing only by chance.
 """
 
 from __future__ import annotations
@@ -52,7 +60,8 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 
 from aiotransfer import KVPoll
 from aiotransfer.receiver import KVReceiver
-from tests.interleave_world import ENGINE_TIMEOUT, EXAMPLES, SOAK, STAGES, STEPS, Room, Violation, World
+from tests.interleave_parts import STAGES, Room
+from tests.interleave_world import ENGINE_TIMEOUT, EXAMPLES, SOAK, STEPS, Violation, World
 
 # ---------------------------------------------------------------------------------------------------
 # The state machine
@@ -131,6 +140,19 @@ class Interleavings(RuleBasedStateMachine):
         self._do(open_all)
         return room.rid if room is not None else 0
 
+    @rule(target=rooms)
+    def ready_whole_room(self) -> Any:
+        """A room whose pages are one run on both sides: a stage's write is one handle, and its Success
+        leaves from the write's completion."""
+        room: Room | None = None
+
+        def open_all() -> None:
+            nonlocal room
+            room = self.world.ready(scattered=False, whole=True)
+
+        self._do(open_all)
+        return room.rid if room is not None else 0
+
     def _on(self, rid: int, action: Callable[[Room], Any]) -> None:
         room = self.world.rooms.get(rid)
         self._do((lambda: action(room)) if room is not None else (lambda: None))
@@ -175,6 +197,17 @@ class Interleavings(RuleBasedStateMachine):
     def engine_write_ends(self, index: int, ok: bool) -> None:
         """One live write completes (or fails) in the engine; its credit goes back."""
         self._do(lambda: self.world.settle_write(index, ok))
+
+    @rule(index=st.integers(0, 7), ok=st.booleans())
+    def engine_write_ends_with_mail(self, index: int, ok: bool) -> None:
+        """One live write ends, and the mail its stage holds is read in the loop iteration that sees it end,
+        before the call waiting on the write resumes (an abort that crossed the stage's Success)."""
+        self._do(lambda: self.world.write_ends_with_mail(index, ok))
+
+    @rule(stage=stages, hold=st.booleans())
+    def stage_mail(self, stage: str, hold: bool) -> None:
+        """Hold back (or let through) every message a prefill stage receives."""
+        self._do(lambda: self.world.hold_mail(stage, hold))
 
     @rule(ok=st.booleans())
     def engine_catches_up(self, ok: bool) -> None:
@@ -240,6 +273,7 @@ class LayersAfterRelease(Interleavings):
 
     new_room = open_sender = send_metadata = wait = forge_duplicate_success = None  # type: ignore[assignment]
     advance_time = route = heartbeat = restart = None  # type: ignore[assignment]
+    ready_whole_room = engine_write_ends_with_mail = stage_mail = None  # type: ignore[assignment]
 
     @initialize()
     def start(self) -> None:
@@ -252,6 +286,7 @@ class LateRequest(Interleavings):
 
     new_room = open_sender = send_metadata = forge_duplicate_success = None  # type: ignore[assignment]
     engine_write_ends = engine_catches_up = heartbeat = restart = None  # type: ignore[assignment]
+    ready_whole_room = engine_write_ends_with_mail = stage_mail = None  # type: ignore[assignment]
 
 
 class DuplicateSuccess(Interleavings):
@@ -260,6 +295,7 @@ class DuplicateSuccess(Interleavings):
 
     new_room = open_sender = send_metadata = wait = abort = send = None  # type: ignore[assignment]
     advance_time = route = heartbeat = restart = engine_write_ends = None  # type: ignore[assignment]
+    ready_whole_room = engine_write_ends_with_mail = stage_mail = None  # type: ignore[assignment]
 
     @initialize()
     def start(self) -> None:
@@ -378,3 +414,70 @@ def test_the_checks_catch_a_drain_acknowledgement_that_never_comes(monkeypatch: 
         checked(w, lambda: w.rx_abort(room))
         with pytest.raises(Violation, match=r"\(e\) room .* waits for a drain from P"):
             w.finish()
+
+
+# ---------------------------------------------------------------------------------------------------
+# An abort against the write that concludes the room, in every order
+# ---------------------------------------------------------------------------------------------------
+
+READ = ("before", "with", "after")
+"""When the stage reads the decode's abort: before the write ends; in the loop iteration whose poll sees it
+end (the stage has sent Success from the completion, its ``send_kv`` has not returned); after that call."""
+
+
+def _abort_against_the_last_write(stage: str, ok: bool, read: str) -> None:
+    with world() as w:
+        room = w.new_room(scattered=False, whole=True)
+        assert room is not None
+
+        def ready() -> None:
+            for s in STAGES:
+                w.open_sender(room, s)
+            w.send_metadata(room, 2.5)
+
+        checked(w, ready)
+        checked(w, lambda: w.send_kv(room, stage, 2.5))
+        assert len(w.fabric.live()) == 1, "one handle: its completion concludes the stage's side"
+        if read != "before":
+            checked(w, lambda: w.hold_mail(stage, True))
+        checked(w, lambda: w.rx_abort(room))
+        if read == "with":
+            checked(w, lambda: w.write_ends_with_mail(0, ok))
+        else:
+            checked(w, lambda: w.settle_write(0, ok))
+            checked(w, lambda: w.hold_mail(stage, False))
+        w.finish()
+
+
+ORDERS = [(stage, ok, read) for stage in STAGES for ok in (True, False) for read in READ]
+
+
+@pytest.mark.parametrize(("stage", "ok", "read"), ORDERS)
+def test_an_abort_against_the_write_that_concludes_the_room(stage: str, ok: bool, read: str) -> None:
+    """Every order of the decode's abort against the stage's one write (done or failed): every invariant
+    holds, (e) included: an abort read with the completion that sent Success is acknowledged at once."""
+    _abort_against_the_last_write(stage, ok, read)
+
+
+def test_the_orders_reach_an_abort_that_crosses_the_success(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: with the acknowledgement of an abort that crossed Success withheld (the code before
+    it was fixed), exactly the orders where the abort is read with a completed write's Success fail (e)."""
+    from aiotransfer._kv.prefill import PrefillSide
+
+    drained_now = PrefillSide.drained_now
+
+    def withheld(self: PrefillSide, room: int, endpoint: str, reason: str | None = None) -> None:
+        ended = self._draining.get(room)
+        if ended is None or ended.status is not KVPoll.Success:
+            drained_now(self, room, endpoint, reason)
+
+    monkeypatch.setattr(PrefillSide, "drained_now", withheld)
+    caught = set()
+    for order in ORDERS:
+        try:
+            _abort_against_the_last_write(*order)
+        except Violation as exc:
+            assert str(exc).startswith("(e)"), exc
+            caught.add(order)
+    assert caught == {(stage, True, "with") for stage in STAGES}
+

@@ -362,9 +362,10 @@ def checked(w: World, action: Callable[[], Any] = lambda: None) -> None:
     w.check(before)
 
 
-def _asked_room(w: World) -> Room:
-    """A room whose decode sent its metadata to both stages, each with a sender open."""
-    room = w.new_room(scattered=False)
+def _asked_room(w: World, whole: bool = False) -> Room:
+    """A room whose decode sent its metadata to both stages, each with a sender open (``whole``: see
+    :meth:`World.new_room`)."""
+    room = w.new_room(scattered=False, whole=whole)
     assert room is not None
 
     def ready() -> None:
@@ -427,15 +428,7 @@ end (the stage has sent Success from the completion, its ``send_kv`` has not ret
 
 def _abort_against_the_last_write(stage: str, ok: bool, read: str) -> None:
     with world() as w:
-        room = w.new_room(scattered=False, whole=True)
-        assert room is not None
-
-        def ready() -> None:
-            for s in STAGES:
-                w.open_sender(room, s)
-            w.send_metadata(room, 2.5)
-
-        checked(w, ready)
+        room = _asked_room(w, whole=True)
         checked(w, lambda: w.send_kv(room, stage, 2.5))
         assert len(w.fabric.live()) == 1, "one handle: its completion concludes the stage's side"
         if read != "before":

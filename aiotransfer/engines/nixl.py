@@ -233,11 +233,11 @@ class NixlEngine(AgentEngine):
     ``quiet_threads``: UCX's progress thread polls. Staging constants measured over shared memory (with
     ``UCX_TLS=tcp``: 12 us and 1.2 GB/s, set per instance)."""
     inline_max_bytes = 64 * 1024
-    """Writes up to this size may be posted from the event loop: the inline copy takes ~10-40 us, less than
-    the hop to the executor and back (4 KiB end to end over shared memory: see docs/performance.md)..."""
+    """Writes up to this size may be posted from the event loop at any time: the inline copy takes ~10-40 us,
+    less than the hop to the executor and back (4 KiB end to end over shared memory: see docs/performance.md)."""
     inline_alone_max_bytes = 1024 * 1024
-    """...and up to this size while no other write of this agent is in flight, when the loop serves no other
-    transfer: the copy (0.1-0.2 ms for 1 MiB over shared memory) then costs less than the two thread hops
+    """Writes up to this size may be posted from the event loop while no other write of this agent is in
+    flight: the copy (0.1-0.2 ms for 1 MiB over shared memory) then costs less than the two thread hops
     through the executor it saves (~0.1 ms each way on a 2-vCPU host; docs/performance.md, fourth cut)."""
     inline_max_entries = 8
 

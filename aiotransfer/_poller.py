@@ -1,30 +1,33 @@
 """The async poll loop: owns every in-flight engine handle and turns it into an awaitable.
 
-* POLL handles (cheap non-blocking ``check``) are polled from the event loop: yielding (``sleep(0)``)
+* Handles are polled from the event loop (``check`` never waits for a lock): yielding (``sleep(0)``)
   between polls while one or two transfers (or at most 1 MiB) progress, timed sleeps
   (``poll_interval_min``..``max``) when more is queued (``_SPIN_DEPTH``, ``_SPIN_BYTES``) or after
   ``_SPIN_WINDOW`` without any completion (a hung peer), idle when nothing is in flight. A handle the engine
   reports complete at once (:attr:`TransferHandle.landed`) is asked right after its submission. (Polling once per
   ``poll_interval_max`` with work queued was tried: NIXL over shared memory, whose ``check`` answers
   PENDING while a submit holds the agent lock, fell from 0.63 to 0.31 GB/s with 256 in flight.)
-* BLOCK handles (only a blocking ``wait``) go to one waiter thread per peer, which calls ``wait`` exactly
-  once per handle and resolves the future with ``call_soon_threadsafe``. A hung peer stalls only its own
-  waiter; transfers to other peers keep flowing.
+* Writes are posted from the loop when the engine says that cannot wait (``try_submit_inline``), else by the
+  engine's driver thread (:mod:`aiotransfer._driver`), whose results come back in batches.
 * Entries in flight are capped per peer (engines reject or stall beyond a queue limit); callers wait for
   credit instead of being rejected.
-* A cancelled or timed-out ``write`` returns promptly, but its handles stay registered until the engine
-  reports a terminal state: the memory they reference stays pinned (see :attr:`Poller.pinned`). A caller
-  that must know when that is over passes ``hold``: one hold is taken per submission and per handle, and
-  given back only once the submission returned and the handle is terminal in the engine.
+* Terminal means terminal. A handle is over when ``check`` answers DONE or FAILED: the engine can no longer
+  touch its memory. A handle the engine dooms (:attr:`TransferHandle.doomed`: a timeout that is not an end,
+  one entry failed while others run) fails its write at once, so the room fails without delay, but it stays
+  here, pinning its memory, until the engine ends it. A handle whose write gave up (doomed, timed out or
+  cancelled) and that the engine has still not ended after ``expire_after`` seconds is abandoned
+  (:meth:`TransferEngine.abandon`), counted in ``expired`` and logged: the release quarantine bounds it.
+* A cancelled or timed-out ``write`` returns promptly, but its handles stay registered until one of those
+  ends: the memory they reference stays pinned (see :attr:`Poller.pinned`). A caller that must know when
+  that is over passes ``hold``: one hold is taken per submission and per handle, and given back only once
+  the submission returned and the handle is over.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import functools
 import logging
-import queue
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -32,8 +35,8 @@ from typing import Any, Protocol, TypeAlias
 
 from . import _trace
 from ._deadline import reap, within
-from ._offload import Offloader
-from .engines.base import EngineStatus, TransferEngine, TransferHandle, WaitMode
+from ._driver import Driver
+from .engines.base import EngineStatus, TransferEngine, TransferHandle
 from .errors import ClosedError, EngineError, TransferTimeout
 from .plan import Blocks, split_blocks
 
@@ -51,6 +54,9 @@ class WriteGuard(Protocol):
 
     def admit(self) -> None:
         """Raises when the room may post no new engine write (terminal or released)."""
+
+    def write_failed(self) -> None:
+        """One of the room's engine writes ended without completing (FAILED, or abandoned)."""
 
 log = logging.getLogger("aiotransfer.poller")
 
@@ -125,66 +131,38 @@ class Credits:
             fut.set_result(None)
 
 
-class _Waiter(threading.Thread):
-    """Blocking waits for one peer, in submission order, each handle exactly once."""
-
-    def __init__(
-        self,
-        engine: TransferEngine,
-        peer: str,
-        deliver: Callable[[TransferHandle], None],
-        initializer: Callable[[], None] | None = None,
-    ) -> None:
-        super().__init__(name=f"aiotransfer-wait-{peer}", daemon=True)
-        self.engine = engine
-        self.deliver = deliver
-        self.initializer = initializer
-        self.queue: queue.SimpleQueue[TransferHandle | None] = queue.SimpleQueue()
-
-    def run(self) -> None:
-        if self.initializer is not None:
-            self.initializer()  # same device binding as the executor threads
-        while True:
-            handle = self.queue.get()
-            if handle is None:
-                return
-            try:
-                self.engine.wait(handle, 0.0)
-            except Exception as exc:
-                if not handle.consumed:
-                    handle.finish(EngineStatus.FAILED, f"engine wait raised {exc!r}")
-            self.deliver(handle)
-
-
 class Poller:
     """Owns in-flight handles of one engine; see the module docstring."""
 
     def __init__(
         self,
         engine: TransferEngine,
-        offloader: Offloader,
+        driver: Driver,
         *,
         max_in_flight: int,
         max_batch: int,
         interval_min: float,
         interval_max: float,
-        inline_submit_max: int = 1,
+        expire_after: float,
     ) -> None:
         self.engine = engine
-        self.offloader = offloader
+        self.driver = driver
         self.max_in_flight = max_in_flight
         self.max_batch = max_batch
         self.interval_min = interval_min
         self.interval_max = interval_max
-        self.inline_submit_max = inline_submit_max
+        self.expire_after = expire_after
         self._loop: asyncio.AbstractEventLoop | None = None
         self._polled: dict[TransferHandle, asyncio.Future[None]] = {}
         self._polled_bytes = 0
         self._on_done: dict[TransferHandle, Callable[[], None]] = {}
         self._holds: dict[TransferHandle, list[Callable[[], None]]] = {}
-        self._blocking: dict[TransferHandle, asyncio.Future[None]] = {}
+        self._guards: dict[TransferHandle, WriteGuard] = {}
+        self._given_up: dict[TransferHandle, float] = {}
+        """Handles whose write gave up on them (doomed, timed out, cancelled) -> loop time it did."""
+        self._abandoning: set[TransferHandle] = set()
+        """Handles the driver is abandoning now (not polled meanwhile)."""
         self._credits: dict[str, Credits] = {}
-        self._waiters: dict[str, _Waiter] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -193,16 +171,25 @@ class Poller:
         self.pinned_bytes = 0
         self.completed = 0
         self.failed = 0
+        self.doomed = 0
+        """Handles the engine doomed before it ended them (their write failed at once)."""
+        self.expired = 0
+        """Handles abandoned after ``expire_after``: the engine never ended them."""
 
     # -- public ---------------------------------------------------------------------------------
     @property
     def in_flight(self) -> int:
-        return len(self._polled) + len(self._blocking)
+        return len(self._polled)
 
     @property
     def pinned(self) -> int:
         """Handles still owned by the engine (including those whose awaiter gave up)."""
         return self.in_flight
+
+    @property
+    def overdue(self) -> int:
+        """Handles whose write gave up on them while the engine has not ended them yet."""
+        return len(self._given_up)
 
     async def write(
         self, peer: str, blocks: Blocks, *, timeout: float | None, on_done: Callable[[], None] | None = None,
@@ -230,7 +217,7 @@ class Poller:
         self._ensure_started()
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        futures: list[asyncio.Future[None]] = []
+        tracked: list[tuple[TransferHandle, asyncio.Future[None]]] = []
         ok = False
         if on_done is not None and len(blocks) > self.max_batch:
             on_done = None
@@ -247,27 +234,33 @@ class Poller:
                     credits.release(len(piece))
                     raise
                 try:
-                    handle = await self._submit(peer, piece, deadline, loop, submitting, hold)
+                    handle = await self._submit(peer, piece, deadline, submitting, hold)
                 except BaseException:
                     credits.release(len(piece))
                     raise
                 _trace.recorder is None or _trace.submitted(handle, guard)
-                futures.append(self._track(handle, hold))
+                fut = self._track(handle, hold)
+                tracked.append((handle, fut))
+                if guard is not None:
+                    self._guards[handle] = guard
                 if submitting is not None:
                     submitting()
                 if on_done is not None:
                     self._on_done[handle] = on_done
-                if handle.landed and handle.mode is WaitMode.POLL:
+                if handle.landed or handle.doomed:
                     self._poll_one(handle)
-                failed = next((f for f in futures if f.done() and f.exception() is not None), None)
+                failed = next((f for _, f in tracked if f.done() and f.exception() is not None), None)
                 if failed is not None:
                     raise failed.exception()  # type: ignore[misc]
-            await _wait_all(futures, deadline, loop)
+            await _wait_all([f for _, f in tracked], deadline, loop)
             ok = True
         finally:
             if not ok:
-                for f in futures:
+                now = loop.time()
+                for handle, f in tracked:
                     f.add_done_callback(_swallow)
+                    if handle in self._polled:
+                        self._given_up.setdefault(handle, now)
 
     async def aclose(self, timeout: float) -> int:
         """Stop accepting work, wait up to ``timeout`` for in-flight handles; returns how many remain."""
@@ -280,8 +273,6 @@ class Poller:
                 log.warning("%d engine transfers still in flight at close; their memory stays pinned", self.in_flight)
         if self._task is not None:
             await reap(self._task, 1.0)
-        for waiter in self._waiters.values():
-            waiter.queue.put(None)
         return self.in_flight
 
     # -- internals ------------------------------------------------------------------------------
@@ -303,53 +294,39 @@ class Poller:
             self._task = self._loop.create_task(self._poll_loop(), name="aiotransfer-poller")
 
     async def _submit(
-        self, peer: str, piece: Blocks, deadline: float | None, loop: asyncio.AbstractEventLoop,
+        self, peer: str, piece: Blocks, deadline: float | None,
         submitting: Callable[[], None] | None = None, hold: Hold | None = None,
     ) -> TransferHandle:
-        """The submission's handle. Abandoned (timeout, cancellation) while the submit still runs on its
-        thread: the handle it produces is adopted and polled to completion, and ``submitting`` is given back
-        only after that."""
+        """The submission's handle: posted from the loop when the engine says that cannot wait, else by the
+        driver. Abandoned (timeout, cancellation) while the driver still posts it: the handle it produces is
+        adopted and polled to its end, and ``submitting`` is given back only after that."""
         try:
-            if len(piece) <= self.inline_submit_max:
-                return self.engine.submit_write(peer, piece)
             inline = self.engine.try_submit_inline(peer, piece)
+            fut = self.driver.call(self.engine.submit_write, peer, piece) if inline is None else None
         except BaseException:
             if submitting is not None:
                 submitting()  # refused on the spot: nothing was posted
             raise
-        if inline is not None:
+        if fut is None:
+            assert inline is not None
             return inline
         try:
-            cfut = self.offloader.submit(self.engine.submit_write, peer, piece)
-        except BaseException:
-            if submitting is not None:
-                submitting()
-            raise
-        afut = asyncio.wrap_future(cfut, loop=loop)
-        try:
-            handle: TransferHandle = await _bounded(asyncio.shield(afut), deadline, loop, "engine submit")
+            handle: TransferHandle = await _bounded(asyncio.shield(fut), deadline, "engine submit")
             return handle
         except BaseException:
-            # Abandoned: if the submit still produces a handle, adopt it so it is polled to completion.
-            cfut.add_done_callback(lambda f: self._adopt_later(f, loop, submitting, hold))
+            # Abandoned: if the post still produces a handle, adopt it so it is polled to its end.
+            fut.add_done_callback(lambda f: self._adopt(f, submitting, hold))
             raise
 
-    def _adopt_later(
-        self, f: concurrent.futures.Future[TransferHandle], loop: asyncio.AbstractEventLoop,
-        submitting: Callable[[], None] | None, hold: Hold | None,
+    def _adopt(
+        self, f: asyncio.Future[TransferHandle], submitting: Callable[[], None] | None, hold: Hold | None
     ) -> None:
         handle = None if f.cancelled() or f.exception() is not None else f.result()
-
-        def adopt() -> None:
-            if handle is not None:
-                self._track(handle, hold).add_done_callback(_swallow)
-            if submitting is not None:
-                submitting()  # after the handle took its own hold
-
-        try:
-            loop.call_soon_threadsafe(adopt)
-        except RuntimeError:
-            log.warning("event loop closed; abandoned transfer %r left to the engine", handle)
+        if handle is not None:
+            self._track(handle, hold).add_done_callback(_swallow)
+            self._given_up.setdefault(handle, asyncio.get_running_loop().time())
+        if submitting is not None:
+            submitting()  # after the handle took its own hold
 
     def _track(self, handle: TransferHandle, hold: Hold | None = None) -> asyncio.Future[None]:
         assert self._loop is not None
@@ -358,44 +335,26 @@ class Poller:
             self._holds.setdefault(handle, []).append(hold())
         self.pinned_bytes += handle.nbytes
         self._idle.clear()
-        if handle.mode is WaitMode.POLL:
-            self._polled[handle] = fut
-            self._polled_bytes += handle.nbytes
-            self._wake.set()
-        else:
-            self._blocking[handle] = fut
-            waiter = self._waiters.get(handle.peer)
-            if waiter is None or not waiter.is_alive():
-                waiter = self._waiters[handle.peer] = _Waiter(
-                    self.engine, handle.peer, self._deliver_threadsafe, self.offloader.initializer
-                )
-                waiter.start()
-            waiter.queue.put(handle)
+        self._polled[handle] = fut
+        self._polled_bytes += handle.nbytes
+        self._wake.set()
         return fut
-
-    def _deliver_threadsafe(self, handle: TransferHandle) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        try:
-            loop.call_soon_threadsafe(self._finish, handle)
-        except RuntimeError:
-            pass
 
     def _finish(self, handle: TransferHandle) -> None:
         _trace.recorder is None or _trace.completed(handle)
         fut = self._polled.pop(handle, None)
-        if fut is not None:
-            self._polled_bytes -= handle.nbytes
-        else:
-            fut = self._blocking.pop(handle, None)
-            if fut is None:
-                return
+        if fut is None:
+            return
+        self._polled_bytes -= handle.nbytes
+        self._given_up.pop(handle, None)
         self.pinned_bytes -= handle.nbytes
         credits = self._credits.get(handle.peer)
         if credits is not None:
             credits.release(handle.entries)
         on_done = self._on_done.pop(handle, None)
+        guard = self._guards.pop(handle, None)
+        if guard is not None and handle.status is not EngineStatus.DONE:
+            guard.write_failed()  # before the holds go back: the room's release reads it
         for give_back in self._holds.pop(handle, ()):
             give_back()
         if handle.status is EngineStatus.DONE:
@@ -411,26 +370,70 @@ class Poller:
             self.failed += 1
             if not fut.done():
                 fut.set_exception(EngineError(handle.error or "engine transfer failed"))
-        if not self._polled and not self._blocking:
+        if not self._polled:
             self._idle.set()
 
+    def _doom(self, handle: TransferHandle) -> None:
+        """The engine says the write will not succeed but has not ended it: the write fails now, the handle
+        (and every hold on its memory) stays until the engine ends it."""
+        fut = self._polled.get(handle)
+        if fut is None or handle in self._given_up:
+            return
+        self.doomed += 1
+        assert self._loop is not None
+        self._given_up[handle] = self._loop.time()
+        self._on_done.pop(handle, None)
+        if not fut.done():
+            fut.set_exception(EngineError(handle.doomed or "engine transfer failed"))
+
     def _poll_one(self, handle: TransferHandle, check: Callable[[TransferHandle], EngineStatus] | None = None) -> bool:
-        """Ask the engine about one polled handle; finish it when it is over. True when it was."""
+        """Ask the engine about one handle; finish it when it is over, fail its write when it is doomed.
+        True when it ended."""
         try:
             status = (check or self.engine.check)(handle)
         except Exception as exc:
+            # the adapter broke its contract (a check raises): nothing says the engine let go of the memory
             if not handle.consumed:
-                handle.finish(EngineStatus.FAILED, f"engine check raised {exc!r}")
-            status = EngineStatus.FAILED
+                handle.doom(f"engine check raised {exc!r}")
+            status = handle.status
         if not status.is_terminal:
+            if handle.doomed is not None:
+                self._doom(handle)
             return False
         self._finish(handle)
         return True
+
+    def _expire(self, now: float) -> None:
+        """Abandon the handles whose write gave up on them more than ``expire_after`` ago. ``abandon`` may take
+        the engine's lock, so the driver makes the call; the handle is not polled meanwhile."""
+        old = [h for h, since in self._given_up.items() if now - since >= self.expire_after and h not in self._abandoning]
+        for handle in old:
+            log.warning("engine write to %s (%d entries, %d bytes) still not ended %.3gs after it failed (%s): "
+                        "abandoned; its memory is released", handle.peer, handle.entries, handle.nbytes,
+                        now - self._given_up[handle], handle.doomed or "its caller gave up")
+            self._abandoning.add(handle)
+            try:
+                fut = self.driver.call(self.engine.abandon, handle)
+            except Exception as exc:  # the driver is closed: the process is going away
+                log.debug("abandon of %r not made: %r", handle, exc)
+                self._abandoned(handle)
+                continue
+            fut.add_done_callback(functools.partial(self._abandoned, handle))
+
+    def _abandoned(self, handle: TransferHandle, f: asyncio.Future[None] | None = None) -> None:
+        self._abandoning.discard(handle)
+        if f is not None and not f.cancelled() and f.exception() is not None:
+            log.warning("engine abandon of %r raised %r", handle, f.exception())
+        if not handle.consumed:
+            handle.finish(EngineStatus.FAILED, handle.doomed or "abandoned after the release quarantine")
+        self.expired += 1
+        self._finish(handle)
 
     async def _poll_loop(self) -> None:
         interval = self.interval_min
         last_progress = time.perf_counter()
         check = self.engine.check
+        loop = asyncio.get_running_loop()
         while True:
             if not self._polled:
                 self._wake.clear()
@@ -440,7 +443,10 @@ class Poller:
                 continue
             progressed = False
             for handle in list(self._polled):
-                progressed |= self._poll_one(handle, check)
+                if handle not in self._abandoning:
+                    progressed |= self._poll_one(handle, check)
+            if self._given_up:
+                self._expire(loop.time())
             now = time.perf_counter()
             if progressed:
                 last_progress = now
@@ -483,12 +489,10 @@ async def _wait_all(
             raise TransferTimeout("engine transfer exceeded its deadline")
 
 
-async def _bounded(
-    aw: Any, deadline: float | None, loop: asyncio.AbstractEventLoop, what: str
-) -> Any:
+async def _bounded(aw: Any, deadline: float | None, what: str) -> Any:
     if deadline is None:
         return await aw
-    remaining = deadline - loop.time()
+    remaining = deadline - asyncio.get_running_loop().time()
     try:
         return await within(aw, max(remaining, 0.0))
     except asyncio.TimeoutError:

@@ -3,6 +3,7 @@ control messages to the part that handles them (see :mod:`aiotransfer._kv` for t
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import secrets
@@ -155,7 +156,7 @@ class KVManager:
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> KVManager:
-        """Create the engine (on the executor, after device binding), register memory, open the control
+        """Create the engine (on its driver thread, after device binding), register memory, open the control
         socket and start the heartbeat. Idempotent; ``async with`` calls it for you."""
         ctx, cfg = self._ctx, self.config
         if ctx.started:
@@ -169,13 +170,15 @@ class KVManager:
             if background:
                 _threads.mark_foreign()  # before the engine starts its threads
             if ctx.engine_or_none is None:
-                # create_engine runs on an executor thread whose initializer already bound the device
-                ctx.engine_or_none = await ctx.offload.run(
+                # create_engine runs on the driver thread, whose initializer already bound the device
+                ctx.engine_or_none = await ctx.driver.run(
                     create_engine, cfg, timeout=max(cfg.handshake_timeout, 30.0), what="engine initialisation"
                 )
             engine = ctx.engine
-            await ctx.offload.run(engine.register, self._regions, timeout=cfg.handshake_timeout,
-                                  what="memory registration")
+            await ctx.driver.run(engine.register, self._regions, timeout=cfg.handshake_timeout,
+                                 what="memory registration")
+            ctx.engine_info = await ctx.driver.run(engine.local_info, timeout=cfg.handshake_timeout,
+                                                   what="engine info")
             self._registered = True
             if background and not engine.traits.quiet_threads:
                 # A busy-polling engine thread at idle priority is preempted while it holds the engine's
@@ -187,9 +190,9 @@ class KVManager:
             if background:
                 await upkeep.background_engine_threads(ctx)  # first look, before ZMQ starts its threads
             ctx.poller_or_none = Poller(
-                engine, ctx.offload, max_in_flight=cfg.max_entries_in_flight, max_batch=cfg.max_batch_entries,
+                engine, ctx.driver, max_in_flight=cfg.max_entries_in_flight, max_batch=cfg.max_batch_entries,
                 interval_min=cfg.poll_interval_min, interval_max=cfg.poll_interval_max,
-                inline_submit_max=engine.traits.inline_entries if engine.traits.cheap_submit else 0,
+                expire_after=cfg.quarantine_s,
             )
             ctx.control_or_none = self._make_control_plane()
             await ctx.control_or_none.start()
@@ -281,6 +284,9 @@ class KVManager:
             "pinned_bytes": p.pinned_bytes if p else 0,
             "engine_completed": p.completed if p else 0,
             "engine_failed": p.failed if p else 0,
+            "engine_doomed": p.doomed if p else 0,
+            "engine_overdue": p.overdue if p else 0,
+            "engine_expired": p.expired if p else 0,
             "control_received": c.received if c else 0,
             "control_sent": c.sent if c else 0,
             "control_dropped": dict(c.dropped) if c else {},
@@ -404,8 +410,8 @@ class KVManager:
         self.counters["rooms_failed_dead_peer"] += len(rooms)
         self._client.forget(endpoint)
         peer = self._prefill.decode_peers.get(endpoint)
-        if peer is not None and self._ctx.engine_or_none is not None:
-            self._ctx.engine_or_none.forget_peer(peer.session_id)
+        if peer is not None and self._ctx.engine_or_none is not None and not self._ctx.closed:
+            self._ctx.driver.call(self._ctx.engine_or_none.forget_peer, peer.session_id).add_done_callback(_logged)
         self._events.publish(PeerEvent("dead", endpoint, tuple(rooms), reason))
 
     def _on_peer_restart(self, endpoint: str) -> None:
@@ -448,3 +454,9 @@ class KVManager:
             self._ctx.drop("unknown-room", f"abort for room {msg.room}")
             # nothing of that room is in flight here; a request for it still on its way is refused
             self._prefill.drained_now(msg.room, msg.endpoint, decode_reason(msg.reason))
+
+
+def _logged(fut: asyncio.Future[None]) -> None:
+    """A background engine call's failure is logged, never raised."""
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("engine call failed: %r", fut.exception())

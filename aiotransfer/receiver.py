@@ -38,6 +38,8 @@ class KVReceiver(RoomSide):
         self._asked: set[str] = set()
         """Prefill ranks a transfer request may have reached (they may write into our pages)."""
         self._undrained: set[str] = set()
+        self._settling: set[str] = set()
+        """Prefill ranks that acknowledged the drain after a failed write: drained once the settle passed."""
         self._quarantine: asyncio.TimerHandle | None = None
         self._ledger = Ledger(room, on_empty=self._copies_ended)
         """Our own worker-thread copies into (or reads of) the room's pages still running."""
@@ -263,15 +265,28 @@ class KVReceiver(RoomSide):
         """Local copies into this room's pages still running; its pages are not released before they end."""
         return self._ledger.held
 
-    def on_drained(self, endpoint: str, cause: str = "drained") -> bool:
+    def on_drained(self, endpoint: str, cause: str = "drained", settle: float = 0.0) -> bool:
         """A prefill rank acknowledged the drain of this room, or was proven gone (``cause``); False when
-        it is not one this room waits for."""
+        it is not one this room waits for. ``settle``: a write of the room failed on an engine whose failed
+        writes may still deliver what they had sent; the rank counts as drained that long from now."""
         if endpoint not in self._undrained:
             return False
+        if endpoint in self._settling and cause == "drained":
+            return True  # a settle once begun is not cut short by a later acknowledgement
+        if settle > 0:
+            if endpoint not in self._settling:
+                self._settling.add(endpoint)
+                asyncio.get_running_loop().call_later(settle, self._settled, endpoint, cause)
+            return True
         self._undrained.discard(endpoint)
         if not self._undrained:
             self._release(cause)
         return True
+
+    def _settled(self, endpoint: str, cause: str) -> None:
+        if endpoint in self._settling:
+            self._settling.discard(endpoint)
+            self.on_drained(endpoint, cause)
 
     @property
     def awaiting_drain(self) -> list[str]:

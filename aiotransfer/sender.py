@@ -130,7 +130,8 @@ class KVSender(RoomSide):
         if self._status is KVPoll.Failed:
             self._release("drained")
             if self._dsts and self._ctx.started and not self._ctx.closed:
-                self._ctx.spawn(self._notifier.drained(self.room, list(self._dsts)), "drained")
+                settle = self._ctx.engine.traits.landing_grace_s if self._ledger.failed_writes else 0.0
+                self._ctx.spawn(self._notifier.drained(self.room, list(self._dsts), settle), "drained")
         else:
             self._release("success")
 

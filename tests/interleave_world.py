@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import itertools
 import os
+import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -27,7 +28,10 @@ ENGINE = "fake-interleave"
 ROOM_PAGES = 2
 ENGINE_TIMEOUT = 5.0
 QUARANTINE = 2 * ENGINE_TIMEOUT + 1.0
-"""Longer than any fake write can stay live (they fail in the engine after ``ENGINE_TIMEOUT``)."""
+"""The release quarantine: a write the engine has not ended this long is beyond what the library promises
+(the decode releases its pages, the prefill abandons its handle); the checks count such writes apart."""
+LANDING_GRACE = 1.0
+"""How long a failed fake write may still land (``EngineTraits.landing_grace_s``)."""
 MARGIN = 0.25
 """Loop seconds a bounded call may take past its timeout to notice it."""
 EXAMPLES = int(os.environ.get("AIOTRANSFER_INTERLEAVING_EXAMPLES", "0")) or 40
@@ -52,7 +56,10 @@ class World:
 
     def __init__(self) -> None:
         self.loop = SkewLoop()
-        self.fabric = Fabric(self.loop.time, ENGINE_TIMEOUT)
+        self.fabric = Fabric(self.loop.time, ENGINE_TIMEOUT, LANDING_GRACE)
+        self.fabric.loop_thread = threading.get_ident()
+        self.beyond_bound = 0
+        """Checks skipped because the write outlived the release quarantine (its documented bound)."""
         self.nodes: dict[str, Node] = {}
         self.incarnations = 0
         self.pool: dict[int, int] = {}
@@ -99,11 +106,13 @@ class World:
         return tuple(parts)
 
     def _unread(self) -> bool:
-        """The engine has news (a write ended) that the poll loop of a live manager has not read yet."""
+        """The engine has news (a write ended, or it is past the engine's timeout and not yet doomed) that the
+        poll loop of a live manager has not read yet."""
         now = self.loop.time()
         live = {n.mgr.engine.session_id for n in self.nodes.values() if not n.mgr._ctx.closed}
-        return any(w.src in live and not w.handle.consumed and not w.live(now, ENGINE_TIMEOUT)
-                   for w in self.fabric.writes)
+        return any(w.src in live and not w.handle.consumed and not w.abandoned and (
+            w.outcome != "pending" or (now >= w.posted_at + ENGINE_TIMEOUT and w.handle.doomed is None))
+            for w in self.fabric.writes)
 
     def _delivered(self) -> bool:
         """Every message a live manager sent to another has arrived in its mailbox."""
@@ -218,6 +227,7 @@ class World:
         await self._still(15, time.monotonic() + 1.0)  # the others' sockets reconnect to the new process
 
     async def close(self) -> None:
+        self.fabric.hang_handshakes(False)
         for op in self.ops:
             op.task.cancel()
         for node in self.nodes.values():
@@ -363,19 +373,30 @@ class World:
             self.launch(f"{stage}.tx{room.rid}.done", tx.done(timeout=timeout), timeout)
 
     def settle_write(self, index: int, ok: bool) -> None:
-        live = self.fabric.live()
-        if live:
-            w = live[index % len(live)]
+        """One write the engine has not ended completes (a late completion when it was doomed) or fails."""
+        pending = self.fabric.pending()
+        if pending:
+            w = pending[index % len(pending)]
             (self.fabric.complete if ok else self.fabric.fail)(w)
+
+    def fail_entry(self, index: int) -> None:
+        """One entry of a pending write fails; the others still run."""
+        pending = self.fabric.pending()
+        if pending:
+            self.fabric.fail_entry(pending[index % len(pending)])
+
+    def hang_handshakes(self, hang: bool) -> None:
+        """Engine handshakes hold the engine's mutex (until released)."""
+        self.fabric.hang_handshakes(hang)
 
     def hold_mail(self, label: str, hold: bool) -> None:
         self.nodes[label].mailbox.held = hold
 
     def write_ends_with_mail(self, index: int, ok: bool) -> None:
         """One live write ends, and the mail its manager holds is read in the iteration that sees it end."""
-        live = self.fabric.live()
-        if live:
-            w = live[index % len(live)]
+        pending = self.fabric.pending()
+        if pending:
+            w = pending[index % len(pending)]
             for node in self.nodes.values():
                 node.mail_at_completion |= node.mgr.engine.session_id == w.src and node.mailbox.held
             (self.fabric.complete if ok else self.fabric.fail)(w)
@@ -383,10 +404,10 @@ class World:
     async def settle_all(self, ok: bool) -> None:
         """Until no write is live: each completes (or fails), and the writes waiting for credit follow."""
         for _ in range(8):
-            live = self.fabric.live()
-            if not live:
+            pending = self.fabric.pending()
+            if not pending:
                 return
-            for w in live:
+            for w in pending:
                 (self.fabric.complete if ok else self.fabric.fail)(w)
             await self.quiesce()
 
@@ -420,6 +441,7 @@ class World:
         self.check_pages()
         self.check_rooms()
         self.check_holds()
+        self.check_loop()
         if before is not None:
             self.check_bounds(before)
         self.free_released()
@@ -435,6 +457,9 @@ class World:
                 self.checks += 1
                 if page[0] != d:
                     continue
+                if self._beyond_bound(w, i):
+                    self.beyond_bound += 1
+                    continue
                 at_submit = w.owners_at_submit[i]
                 now = self._owner(page)
                 if at_submit is None:
@@ -448,6 +473,14 @@ class World:
                         f"(a) write {w.wid} ({_outcome(w)}) is live over decode page {page} of room {room.rid}, "
                         f"which the decode released ({room.rx.release_cause}; rx {room.rx.status.name}: "
                         f"{room.rx.failure_reason}; {self._sides(room)})")
+
+    def _beyond_bound(self, w: Write, i: int) -> bool:
+        """The write outlived the release quarantine: its prefill abandoned it, or the room that owned the page
+        was released by the quarantine while it was live (both the documented bound of docs/page-lifecycle.md)."""
+        if w.abandoned:
+            return True
+        room = self._room_of_page(w.owners_at_submit[i])
+        return room is not None and room.rx.release_cause == "quarantine"
 
     def _sides(self, room: Room) -> str:
         return ", ".join(f"{s} {tx.status.name}: {tx.failure_reason} released={tx.release_cause}"
@@ -489,6 +522,12 @@ class World:
                     if mine != theirs and not relayed and not crossed:
                         raise Violation(f"(b) room {room.rid} failed with different reasons: decode {theirs!r}, "
                                         f"{stage} {mine!r}")
+
+    def check_loop(self) -> None:
+        """(f): no native call on the event loop waited for the engine's mutex (a handshake held it)."""
+        self.checks += 1
+        if self.fabric.loop_waits:
+            raise Violation(f"(f) the event loop waited on the engine mutex: {self.fabric.loop_waits}")
 
     def check_holds(self) -> None:
         """(c)"""
@@ -545,6 +584,7 @@ class World:
 
         def let_through() -> None:
             self.release_route()
+            self.fabric.hang_handshakes(False)
             for node in self.nodes.values():
                 node.mailbox.held = False
 
@@ -566,11 +606,12 @@ class World:
             before = self.loop.time()
             self.step()
             self.check(before)
-            live = self.fabric.live()
-            if not live:
+            pending = self.fabric.pending()
+            if not pending and not self.fabric.live():
                 break
-            for w in live:
+            for w in pending:
                 self.fabric.complete(w)
+            self.advance(LANDING_GRACE)  # failed writes stop being able to land
         self.check_drains()
         self.advance(QUARANTINE + 1.0)
         before = self.loop.time()

@@ -204,6 +204,36 @@ class Peer:
 
             setattr(_torch_staging, "scatter_pages_torch", broken)  # noqa: B010
 
+    async def op_fill(self, mgr: KVManager, pages: list[int], value: int) -> None:
+        """Every byte of ``pages`` in every KV buffer becomes ``value`` (a request's data, recognisable)."""
+        for buf in map(host_array, self.kv):
+            buf[np.asarray(pages, dtype=np.int64)] = value
+
+    async def op_byte_counts(self, mgr: KVManager, pages: list[int]) -> dict[str, Any]:
+        """How many bytes of ``pages`` (every KV buffer) hold each value."""
+        counts = np.zeros(256, dtype=np.int64)
+        for buf in map(host_array, self.kv):
+            counts += np.bincount(np.asarray(buf[np.asarray(pages, dtype=np.int64)]).ravel(), minlength=256)
+        return {"counts": {str(v): int(n) for v, n in enumerate(counts) if n}}
+
+    async def op_refill_when_released(self, mgr: KVManager, room: int, pages: list[int], value: int,
+                                      timeout: float = 60.0) -> dict[str, Any]:
+        """A scheduler's next request: once the room's pages are released, write new data into them at once."""
+        obj = self.rooms[room]
+        await obj.released(timeout=timeout)
+        await self.op_fill(mgr, pages, value)
+        return {"cause": obj.release_cause}
+
+    async def op_released_counts(self, mgr: KVManager, room: int, pages: list[int], timeout: float = 60.0,
+                                 after: float = 2.0) -> dict[str, Any]:
+        """The pages' byte counts the moment the room is released, and ``after`` seconds later."""
+        obj = self.rooms[room]
+        await obj.released(timeout=timeout)
+        at_release = (await self.op_byte_counts(mgr, pages))["counts"]
+        await asyncio.sleep(after)
+        return {"cause": obj.release_cause, "at_release": at_release,
+                "later": (await self.op_byte_counts(mgr, pages))["counts"]}
+
     async def op_stats(self, mgr: KVManager) -> dict[str, Any]:
         return {"stats": json.loads(json.dumps(mgr.stats(), default=str))}
 
@@ -222,6 +252,8 @@ class Peer:
         reader = asyncio.StreamReader()
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
         async with KVManager(args, cfg) as mgr:
+            if ns.hostile_handshake:
+                _front_handshake(mgr, ns.hostile_handshake, ns.hostile_mode)
             self.reply({"id": 0, "ok": True, "endpoint": mgr.endpoint})
             tasks: set[asyncio.Task[None]] = set()
             while True:
@@ -237,6 +269,50 @@ class Peer:
             for t in tasks:
                 t.cancel()
         os._exit(0)
+
+
+def _front_handshake(mgr: KVManager, hold: float, mode: str) -> None:
+    """Put a listener in front of this process's Mooncake handshake port and advertise it as our engine's
+    address: with ``mode="once"`` it answers the first metadata request (forwarded to the engine) and holds
+    every later one ``hold`` seconds before closing it unanswered (a peer that stops answering right after
+    its first answer); with ``mode="silent"`` it holds every request. A peer that registers and then leaves
+    the engine's own handshake hanging."""
+    import socket
+    import struct
+    import threading
+    import time
+
+    from aiotransfer.engines.mooncake import MooncakeEngine
+
+    real = mgr.engine.session_id
+    host, _, port = real.rpartition(":")
+    lsock = socket.create_server((host, 0))
+    front = f"{host}:{lsock.getsockname()[1]}"
+    answered = [0]
+
+    def read_frame(conn: socket.socket) -> bytes:
+        head = conn.recv(8, socket.MSG_WAITALL)
+        (n,) = struct.unpack("<Q", head)
+        return head + conn.recv(n, socket.MSG_WAITALL)
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            request = read_frame(conn)
+            if mode == "once" and answered[0] == 0:
+                answered[0] += 1
+                with socket.create_connection((host, int(port))) as up:
+                    up.sendall(request)
+                    conn.sendall(read_frame(up))
+                return
+            time.sleep(hold)
+
+    def accept() -> None:
+        while True:
+            conn, _ = lsock.accept()
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    MooncakeEngine.session_id = property(lambda self: front)  # type: ignore[method-assign, assignment]
 
 
 def main() -> None:
@@ -268,6 +344,9 @@ def main() -> None:
                    help="TransferConfig.staging_backend; torch registers the KV buffers as torch tensors")
     p.add_argument("--mem-pool", default="", help="TransferConfig.custom_mem_pool; aux buffers placed by it")
     p.add_argument("--device", default="cpu", help="where the KV buffers live (cuda:N: torch tensors there)")
+    p.add_argument("--hostile-handshake", type=float, default=0.0,
+                   help="seconds a front listener holds the engine's handshake requests (see _front_handshake)")
+    p.add_argument("--hostile-mode", choices=("once", "silent"), default="once")
     asyncio.run(Peer(p.parse_args()).run())
 
 

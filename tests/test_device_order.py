@@ -129,19 +129,22 @@ async def test_device_set_before_engine_and_on_every_executor_thread(log: Log) -
     binds = log.of("set_device")
     factory = log.of("engine_factory")
     assert len(factory) == 1 and factory[0][2] == 3
-    # the engine was created on an executor thread, after that thread set the device
+    # the engine was created on its driver thread, after that thread set the device
     first = log.first_per_thread()
-    assert factory[0][1] != loop_thread
-    assert first[factory[0][1]][0] == "set_device"
-    assert log.events.index(first[factory[0][1]]) < log.events.index(factory[0])
-    # every executor thread bound the same device, exactly once, before doing anything else
-    executor_threads = {tid for what, tid, _ in log.events if what != "set_device"}
-    assert len(executor_threads) == 3
-    assert {tid for _, tid, _ in binds} == executor_threads and len(binds) == 3
+    driver = factory[0][1]
+    assert driver != loop_thread
+    assert first[driver][0] == "set_device"
+    assert log.events.index(first[driver]) < log.events.index(factory[0])
+    # the driver made every engine call of the manager (registration included)
+    assert {tid for what, tid, _ in log.events if what.startswith("engine")} == {driver}
+    # every thread that worked (the three executor threads and the driver) bound the same device, exactly
+    # once, before doing anything else
+    working = {tid for what, tid, _ in log.events if what != "set_device"}
+    assert len(working - {driver}) == 3
+    assert {tid for _, tid, _ in binds} == working and len(binds) == 4
     assert {detail for _, _, detail in binds} == {("fake.cuda", 3)}  # the unavailable backend was skipped
-    for tid in executor_threads:
+    for tid in working:
         assert first[tid][0] == "set_device", f"thread {tid} worked before binding: {log.events}"
-    # the engine calls the manager made all ran on bound threads
     assert log.of("engine.register") and log.of("engine.deregister")
 
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from aiotransfer.config import TransferConfig
 from aiotransfer.engines import mooncake as mc
 from aiotransfer.engines._common import RegionIndex, map_errors, quietly
-from aiotransfer.engines.base import EngineBase, EngineTraits, TransferEngine
+from aiotransfer.engines.base import EngineBase, EngineStatus, EngineTraits, TransferEngine, TransferHandle
 from aiotransfer.engines.mooncake_setup import recommended_wheels
 from aiotransfer.errors import ClosedError, ConfigError, EngineError, EngineUnavailable
 from tests import fake_mori
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 def test_trait_defaults_live_in_one_place() -> None:
     assert EngineTraits() == EngineTraits(
-        cheap_submit=False, inline_entries=1, quiet_threads=False, entry_cost_s=30e-6, bandwidth_bps=2e9
+        quiet_threads=False, entry_cost_s=30e-6, bandwidth_bps=2e9, landing_grace_s=0.0
     )
     base = EngineBase()
     assert base.traits == EngineTraits() and base.probe_region is None
@@ -45,16 +45,23 @@ def test_trait_defaults_live_in_one_place() -> None:
     assert base.try_submit_inline("peer", None) is None  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         EngineTraits(bandwidth_bps=0)
+    with pytest.raises(ValueError):
+        EngineTraits(landing_grace_s=-1)
     with pytest.raises(AttributeError):
-        EngineTraits().cheap_submit = True  # type: ignore[misc]
+        EngineTraits().quiet_threads = True  # type: ignore[misc]
+    handle = TransferHandle(token=None, peer="p", entries=1, nbytes=1)
+    handle.doom("first")
+    handle.doom("second")
+    base.abandon(handle)
+    assert (handle.status, handle.error, handle.doomed) == (EngineStatus.FAILED, "first", "first")
 
 
 def test_adapters_declare_their_traits() -> None:
     from aiotransfer.engines.mori import MoriEngine
     from aiotransfer.engines.nixl import NixlEngine
 
-    assert mc.MooncakeEngine.traits == EngineTraits(cheap_submit=True, inline_entries=8, quiet_threads=True)
-    assert (NixlEngine.traits.cheap_submit, NixlEngine.traits.quiet_threads) == (False, False)
+    assert mc.MooncakeEngine.traits == EngineTraits(quiet_threads=True, landing_grace_s=1.0)
+    assert (NixlEngine.traits.quiet_threads, NixlEngine.traits.landing_grace_s) == (False, 0.0)
     assert NixlEngine.traits.entry_cost_s < mc.MooncakeEngine.traits.entry_cost_s
     assert MoriEngine.traits == EngineTraits(entry_cost_s=5e-6, bandwidth_bps=20e9)
 
@@ -92,7 +99,7 @@ def test_registry_refuses_an_engine_without_the_optional_members() -> None:
     registry.register_engine("old-style", lambda config: Old())
     registry.register_engine("new-style", lambda config: EngineBase())
     try:
-        with pytest.raises(ConfigError, match=r"lacks traits, probe_region, credit_scope, try_submit_inline: inherit"):
+        with pytest.raises(ConfigError, match=r"lacks traits, probe_region, credit_scope, try_submit_inline, reach, abandon: inherit"):
             registry.create_engine(TransferConfig(engine="old-style"))
         assert closed == [True]
         assert isinstance(registry.create_engine(TransferConfig(engine="new-style")), EngineBase)
@@ -302,7 +309,7 @@ class _Native:
     def transfer_check_status(self, bid: int) -> int:
         assert bid not in self.freed, f"entry {bid} asked after it was freed"
         rc = self.ended.get(bid, 0)
-        if rc != 0:
+        if rc in (1, -1):  # completed or failed: the binding frees the id; -2 (timeout) does not
             self.freed.add(bid)
         return rc
 
@@ -312,7 +319,7 @@ class _Native:
 
 def _mooncake_over(native: _Native) -> mc.MooncakeEngine:
     engine = object.__new__(mc.MooncakeEngine)
-    engine._shared = type("Shared", (), {"native": native, "names": {}})()
+    engine._shared = type("Shared", (), {"native": native, "names": {}, "opened": {"peer"}, "gate": mc._Gate()})()
     return engine
 
 
@@ -324,12 +331,12 @@ def _blocks(n: int) -> Any:
 
 
 def test_a_mooncake_write_of_a_few_entries_is_done_once_every_entry_is() -> None:
-    from aiotransfer.engines.base import EngineStatus, WaitMode
+    from aiotransfer.engines.base import EngineStatus
 
     native = _Native()
     engine = _mooncake_over(native)
     handle = engine.submit_write("peer", _blocks(3))
-    assert (handle.mode, handle.entries, native.posted) == (WaitMode.POLL, 3, [100, 101, 102])
+    assert (handle.entries, native.posted) == (3, [100, 101, 102])
     assert engine.check(handle) is EngineStatus.PENDING
     native.end(101)
     native.end(100)
@@ -344,7 +351,7 @@ def test_a_mooncake_entry_refused_after_others_were_posted_fails_the_write_only_
     native = _Native(refuse=(2,))
     engine = _mooncake_over(native)
     handle = engine.submit_write("peer", _blocks(4))  # entries 0 and 1 are posted: it must not raise
-    assert native.posted == [100, 101] and handle.error is not None and "refused entry 2" in handle.error
+    assert native.posted == [100, 101] and handle.doomed is not None and "refused entry 2" in handle.doomed
     assert engine.check(handle) is EngineStatus.PENDING, "posted entries may still read the memory"
     native.end(100)
     native.end(101, rc=-1)
@@ -361,7 +368,57 @@ def test_a_mooncake_entry_that_fails_fails_the_write_once_every_entry_is_over() 
     native = _Native()
     engine = _mooncake_over(native)
     handle = engine.submit_write("peer", _blocks(2))
-    native.end(100, rc=-2)
-    assert engine.check(handle) is EngineStatus.PENDING
+    native.end(100, rc=-1)
+    assert engine.check(handle) is EngineStatus.PENDING and "failure (-1)" in str(handle.doomed)
     native.end(101)
-    assert engine.check(handle) is EngineStatus.FAILED and "engine timeout" in str(handle.error)
+    assert engine.check(handle) is EngineStatus.FAILED and "failure (-1)" in str(handle.error)
+
+
+def test_a_mooncake_timeout_is_not_an_end() -> None:
+    """-2 (TIMEOUT): the entry still runs and its id stays valid. The handle is doomed at once and asked again;
+    it ends only when the entry does, here by completing late (a stopped peer resumed)."""
+    from aiotransfer.engines.base import EngineStatus
+
+    native = _Native()
+    engine = _mooncake_over(native)
+    handle = engine.submit_write("peer", _blocks(2))
+    native.end(101)
+    native.end(100, rc=-2)
+    for _ in range(3):
+        assert engine.check(handle) is EngineStatus.PENDING
+    assert "engine timeout" in str(handle.doomed) and native.freed == {101}
+    native.end(100, rc=1)
+    assert engine.check(handle) is EngineStatus.FAILED and native.freed == {100, 101}
+    assert "engine timeout" in str(handle.error)
+
+
+def test_mooncake_posts_from_the_loop_only_while_no_handshake_can_hold_the_engine() -> None:
+    """``try_submit_inline`` declines (nothing posted) while a handshake is in progress, for a peer whose
+    segment the engine has not opened, and for writes too large to post inline; a handshake waits for the
+    loop's posts already inside the engine to leave."""
+    import threading
+
+    native = _Native()
+    engine = _mooncake_over(native)
+    gate = engine._shared.gate
+    assert engine.try_submit_inline("peer", _blocks(2)) is not None
+    assert engine.try_submit_inline("stranger", _blocks(2)) is None
+    assert engine.try_submit_inline("peer", _blocks(9)) is None
+    entered, release = threading.Event(), threading.Event()
+
+    def handshake() -> None:
+        with gate.handshake():
+            entered.set()
+            release.wait(5)
+
+    assert gate.enter()  # a post from the loop is inside the engine
+    t = threading.Thread(target=handshake)
+    t.start()
+    assert not entered.wait(0.05), "the handshake went in while a post was inside the engine"
+    gate.leave()
+    assert entered.wait(5)
+    posted = len(native.posted)
+    assert engine.try_submit_inline("peer", _blocks(2)) is None and len(native.posted) == posted
+    release.set()
+    t.join(5)
+    assert engine.try_submit_inline("peer", _blocks(2)) is not None

@@ -204,6 +204,17 @@ class Interleavings(RuleBasedStateMachine):
         before the call waiting on the write resumes (an abort that crossed the stage's Success)."""
         self._do(lambda: self.world.write_ends_with_mail(index, ok))
 
+    @rule(index=st.integers(0, 7))
+    def engine_entry_fails(self, index: int) -> None:
+        """One entry of a pending write fails while its others still run: the write is doomed, not over."""
+        self._do(lambda: self.world.fail_entry(index))
+
+    @rule(hang=st.booleans())
+    def handshakes_hang(self, hang: bool) -> None:
+        """Engine handshakes hold the engine's mutex until released (a peer that does not answer the engine's
+        metadata request): writes wait on the driver, never on the loop."""
+        self._do(lambda: self.world.hang_handshakes(hang))
+
     @rule(stage=stages, hold=st.booleans())
     def stage_mail(self, stage: str, hold: bool) -> None:
         """Hold back (or let through) every message a prefill stage receives."""
@@ -274,6 +285,7 @@ class LayersAfterRelease(Interleavings):
     new_room = open_sender = send_metadata = wait = forge_duplicate_success = None  # type: ignore[assignment]
     advance_time = route = heartbeat = restart = None  # type: ignore[assignment]
     ready_whole_room = engine_write_ends_with_mail = stage_mail = None  # type: ignore[assignment]
+    engine_entry_fails = handshakes_hang = None  # type: ignore[assignment]
 
     @initialize()
     def start(self) -> None:
@@ -287,6 +299,7 @@ class LateRequest(Interleavings):
     new_room = open_sender = send_metadata = forge_duplicate_success = None  # type: ignore[assignment]
     engine_write_ends = engine_catches_up = heartbeat = restart = None  # type: ignore[assignment]
     ready_whole_room = engine_write_ends_with_mail = stage_mail = None  # type: ignore[assignment]
+    engine_entry_fails = handshakes_hang = None  # type: ignore[assignment]
 
 
 class DuplicateSuccess(Interleavings):
@@ -296,6 +309,7 @@ class DuplicateSuccess(Interleavings):
     new_room = open_sender = send_metadata = wait = abort = send = None  # type: ignore[assignment]
     advance_time = route = heartbeat = restart = engine_write_ends = None  # type: ignore[assignment]
     ready_whole_room = engine_write_ends_with_mail = stage_mail = None  # type: ignore[assignment]
+    engine_entry_fails = handshakes_hang = None  # type: ignore[assignment]
 
     @initialize()
     def start(self) -> None:

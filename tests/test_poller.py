@@ -8,13 +8,14 @@ flight, and polls on timed sleeps when more work is queued.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import cast
 
 import numpy as np
 import pytest
 
 from aiotransfer import _poller
-from aiotransfer._offload import Offloader
+from aiotransfer._driver import Driver
 from aiotransfer._poller import Poller
 from aiotransfer.engines.base import (
     EngineBase,
@@ -22,7 +23,6 @@ from aiotransfer.engines.base import (
     EngineTraits,
     TransferEngine,
     TransferHandle,
-    WaitMode,
 )
 from aiotransfer.errors import EngineError, TransferTimeout
 from aiotransfer.plan import Blocks
@@ -31,17 +31,20 @@ WATCH_S = 0.1
 
 
 class HeldEngine(EngineBase):
-    """Single-entry POLL transfers that stay pending until ``release()``; counts ``check`` calls."""
+    """Transfers posted from the loop that stay pending until ``released``; counts ``check`` calls."""
 
     name = "held"
-    traits = EngineTraits(cheap_submit=True)
+    traits = EngineTraits()
 
     def __init__(self) -> None:
         self.checks = 0
         self.released = False
 
+    def try_submit_inline(self, peer: str, blocks: Blocks) -> TransferHandle | None:
+        return self.submit_write(peer, blocks)
+
     def submit_write(self, peer: str, blocks: Blocks) -> TransferHandle:
-        return TransferHandle(token=object(), mode=WaitMode.POLL, peer=peer, entries=len(blocks), nbytes=blocks.nbytes)
+        return TransferHandle(token=object(), peer=peer, entries=len(blocks), nbytes=blocks.nbytes)
 
     def check(self, handle: TransferHandle) -> EngineStatus:
         self.checks += 1
@@ -56,10 +59,10 @@ async def _checks_per_handle(count: int, nbytes: int) -> tuple[float, int]:
     """Poll-loop ``check`` calls per in-flight handle during WATCH_S with ``count`` transfers of ``nbytes``,
     and the loop iterations in that time (a task that yields at every iteration counts them)."""
     engine = HeldEngine()
-    offloader = Offloader("poller-test", 1)
+    offloader = Driver("poller-test")
     poller = Poller(
         cast(TransferEngine, engine), offloader, max_in_flight=1024, max_batch=1024, interval_min=0.0001,
-        interval_max=0.001,
+        interval_max=0.001, expire_after=60.0,
     )
     writes = [asyncio.ensure_future(poller.write("peer", _one_entry(nbytes), timeout=10)) for _ in range(count)]
     try:
@@ -86,7 +89,7 @@ async def _checks_per_handle(count: int, nbytes: int) -> tuple[float, int]:
         return per_handle, ticks
     finally:
         await poller.aclose(1.0)
-        offloader.shutdown(wait=False)
+        offloader.close()
 
 
 @pytest.mark.parametrize(
@@ -114,13 +117,13 @@ def test_spin_thresholds_are_the_documented_ones() -> None:
     assert _poller._SPIN_DEPTH == 2 and _poller._SPIN_BYTES == 1 << 20
 
 
-def _held_poller(engine: HeldEngine, offloader: Offloader, max_batch: int = 1024) -> Poller:
+def _held_poller(engine: HeldEngine, offloader: Driver, max_batch: int = 1024, expire_after: float = 60.0) -> Poller:
     return Poller(cast(TransferEngine, engine), offloader, max_in_flight=1024, max_batch=max_batch,
-                  interval_min=0.0001, interval_max=0.001)
+                  interval_min=0.0001, interval_max=0.001, expire_after=expire_after)
 
 
 async def test_on_done_runs_at_completion_before_the_writer_resumes() -> None:
-    engine, offloader = HeldEngine(), Offloader("poller-test", 1)
+    engine, offloader = HeldEngine(), Driver("poller-test")
     poller = _held_poller(engine, offloader)
     order: list[str] = []
 
@@ -139,7 +142,7 @@ async def test_on_done_runs_at_completion_before_the_writer_resumes() -> None:
         assert order == ["on_done", "resumed"]
     finally:
         await poller.aclose(1.0)
-        offloader.shutdown(wait=False)
+        offloader.close()
 
 
 class LandedEngine(HeldEngine):
@@ -164,7 +167,7 @@ async def test_a_write_that_landed_at_post_completes_in_the_submitting_step(land
     """The handle is asked once right after its submission: the write, and its ``on_done`` (where Success
     leaves), end without waiting for the poll loop's next round. Without ``landed`` (the control) the writer
     suspends, and only the poll loop asks."""
-    engine, offloader = LandedEngine(landed), Offloader("poller-test", 1)
+    engine, offloader = LandedEngine(landed), Driver("poller-test")
     poller = _held_poller(engine, offloader)
     done: list[str] = []
     coro = poller.write("peer", _one_entry(4096), timeout=5, on_done=lambda: done.append("on_done"))
@@ -187,11 +190,11 @@ async def test_a_write_that_landed_at_post_completes_in_the_submitting_step(land
     finally:
         coro.close()
         await poller.aclose(1.0)
-        offloader.shutdown(wait=False)
+        offloader.close()
 
 
 async def test_a_landed_write_the_engine_reports_failed_raises_at_once() -> None:
-    engine, offloader = LandedEngine(True, EngineStatus.FAILED), Offloader("poller-test", 1)
+    engine, offloader = LandedEngine(True, EngineStatus.FAILED), Driver("poller-test")
     poller = _held_poller(engine, offloader)
     try:
         with pytest.raises(EngineError, match="refused"):
@@ -199,12 +202,12 @@ async def test_a_landed_write_the_engine_reports_failed_raises_at_once() -> None
         assert poller.in_flight == 0 and poller.failed == 1
     finally:
         await poller.aclose(1.0)
-        offloader.shutdown(wait=False)
+        offloader.close()
 
 
 @pytest.mark.parametrize("how", ["timeout", "cancel"])
 async def test_on_done_is_not_called_once_the_writer_gave_up(how: str) -> None:
-    engine, offloader = HeldEngine(), Offloader("poller-test", 1)
+    engine, offloader = HeldEngine(), Driver("poller-test")
     poller = _held_poller(engine, offloader)
     calls: list[int] = []
     task = asyncio.ensure_future(
@@ -227,11 +230,11 @@ async def test_on_done_is_not_called_once_the_writer_gave_up(how: str) -> None:
         assert calls == [] and poller.completed == 1
     finally:
         await poller.aclose(1.0)
-        offloader.shutdown(wait=False)
+        offloader.close()
 
 
 async def test_on_done_is_ignored_for_writes_split_into_several_handles() -> None:
-    engine, offloader = HeldEngine(), Offloader("poller-test", 1)
+    engine, offloader = HeldEngine(), Driver("poller-test")
     poller = _held_poller(engine, offloader, max_batch=1)
     calls: list[int] = []
     two = Blocks(np.array([0, 8192], np.uint64), np.array([0, 8192], np.uint64), np.array([4096, 4096], np.uint64))
@@ -241,11 +244,11 @@ async def test_on_done_is_ignored_for_writes_split_into_several_handles() -> Non
         assert calls == [] and poller.completed == 2
     finally:
         await poller.aclose(1.0)
-        offloader.shutdown(wait=False)
+        offloader.close()
 
 
 async def test_a_raising_on_done_still_completes_the_write(caplog: pytest.LogCaptureFixture) -> None:
-    engine, offloader = HeldEngine(), Offloader("poller-test", 1)
+    engine, offloader = HeldEngine(), Driver("poller-test")
     poller = _held_poller(engine, offloader)
     engine.released = True
 
@@ -257,4 +260,177 @@ async def test_a_raising_on_done_still_completes_the_write(caplog: pytest.LogCap
         assert poller.completed == 1 and "completion callback failed" in caplog.text
     finally:
         await poller.aclose(1.0)
-        offloader.shutdown(wait=False)
+        offloader.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Terminal means terminal: a doomed handle fails its write at once and pins its memory until it ends
+# ---------------------------------------------------------------------------------------------------
+
+
+class DoomingEngine(HeldEngine):
+    """Writes the engine dooms (a timeout that is not an end) and ends only when the test says so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outcome = EngineStatus.DONE
+        self.abandoned: list[TransferHandle] = []
+
+    def check(self, handle: TransferHandle) -> EngineStatus:
+        self.checks += 1
+        if not self.released:
+            handle.doom("engine timeout (still in flight)")
+            return EngineStatus.PENDING
+        return handle.finish(self.outcome, "failed" if self.outcome is EngineStatus.FAILED else None)
+
+    def abandon(self, handle: TransferHandle) -> None:
+        self.abandoned.append(handle)
+        super().abandon(handle)
+
+
+def _counted_hold(held: list[int]) -> _poller.Hold:
+    def take() -> Callable[[], None]:
+        held[0] += 1
+
+        def give_back() -> None:
+            held[0] -= 1
+
+        return give_back
+
+    return take
+
+
+@pytest.mark.parametrize("late", [EngineStatus.DONE, EngineStatus.FAILED])
+async def test_a_doomed_write_fails_at_once_and_holds_its_memory_until_the_engine_ends_it(late: EngineStatus) -> None:
+    """The write raises as soon as the engine dooms it; the hold on its memory, its credit and the pinned
+    bytes stay until the engine answers terminally, whatever that answer is (a late completion included)."""
+    engine, driver = DoomingEngine(), Driver("poller-test")
+    engine.outcome = late
+    poller = _held_poller(engine, driver)
+    held = [0]
+    try:
+        with pytest.raises(EngineError, match="still in flight"):
+            await asyncio.wait_for(poller.write("peer", _one_entry(4096), timeout=5, hold=_counted_hold(held)), 5)
+        await asyncio.sleep(0.02)
+        assert (held[0], poller.in_flight, poller.doomed, poller.overdue) == (1, 1, 1, 1)
+        engine.released = True
+        for _ in range(1000):
+            if not poller.in_flight:
+                break
+            await asyncio.sleep(0.001)
+        assert (held[0], poller.in_flight, poller.overdue, poller.expired, engine.abandoned) == (0, 0, 0, 0, [])
+    finally:
+        await poller.aclose(1.0)
+        driver.close()
+
+
+async def test_a_handle_the_engine_never_ends_is_abandoned_after_the_bound() -> None:
+    """Bounded by ``expire_after`` (the release quarantine), counted, and handed to ``abandon``."""
+    engine, driver = DoomingEngine(), Driver("poller-test")
+    poller = _held_poller(engine, driver, expire_after=0.05)
+    held = [0]
+    try:
+        with pytest.raises(EngineError):
+            await asyncio.wait_for(poller.write("peer", _one_entry(4096), timeout=5, hold=_counted_hold(held)), 5)
+        assert held[0] == 1
+        for _ in range(2000):
+            if not poller.in_flight:
+                break
+            await asyncio.sleep(0.001)
+        assert (held[0], poller.in_flight, poller.expired, len(engine.abandoned)) == (0, 0, 1, 1)
+    finally:
+        await poller.aclose(1.0)
+        driver.close()
+
+
+async def test_a_write_that_timed_out_counts_towards_the_bound_from_then() -> None:
+    """A write whose caller gave up (its timeout) and that the engine never ends is abandoned too."""
+    engine, driver = HeldEngine(), Driver("poller-test")
+    poller = _held_poller(engine, driver, expire_after=0.05)
+    try:
+        with pytest.raises(TransferTimeout):
+            await poller.write("peer", _one_entry(4096), timeout=0.01)
+        assert poller.overdue == 1
+        for _ in range(2000):
+            if not poller.in_flight:
+                break
+            await asyncio.sleep(0.001)
+        assert (poller.in_flight, poller.expired) == (0, 1)
+    finally:
+        await poller.aclose(1.0)
+        driver.close()
+
+
+class DriverEngine(HeldEngine):
+    """Never posts from the loop: every write goes to the driver thread, whose post takes ``delay``."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+        self.threads: set[int] = set()
+
+    def try_submit_inline(self, peer: str, blocks: Blocks) -> TransferHandle | None:
+        return None
+
+    def submit_write(self, peer: str, blocks: Blocks) -> TransferHandle:
+        import threading
+        import time
+
+        self.threads.add(threading.get_ident())
+        time.sleep(self.delay)
+        return super().submit_write(peer, blocks)
+
+
+async def test_writes_the_loop_cannot_post_go_to_one_driver_thread() -> None:
+    import threading
+
+    engine, driver = DriverEngine(0.002), Driver("poller-test")
+    engine.released = True
+    poller = _held_poller(engine, driver)
+    try:
+        await asyncio.wait_for(asyncio.gather(*(poller.write("peer", _one_entry(4096), timeout=5) for _ in range(20))), 10)
+        assert poller.completed == 20
+        assert len(engine.threads) == 1 and threading.get_ident() not in engine.threads
+    finally:
+        await poller.aclose(1.0)
+        driver.close()
+
+
+async def test_results_the_driver_finishes_together_wake_the_loop_once() -> None:
+    """Twenty calls finished while the loop was busy come back in one batch: one wake-up, not twenty."""
+    import time
+
+    driver = Driver("batch-test")
+    try:
+        await driver.call(int)  # the thread is up
+        before = driver.batches
+        futs = [driver.call(int, str(i)) for i in range(20)]
+        time.sleep(0.2)  # noqa: ASYNC251 (the loop is kept busy on purpose while the driver finishes them all)
+        assert await asyncio.wait_for(asyncio.gather(*futs), 5) == list(range(20))
+        assert driver.batches - before == 1
+    finally:
+        driver.close()
+
+
+async def test_a_submit_abandoned_while_the_driver_posts_it_is_adopted_and_pins_until_it_ends() -> None:
+    engine, driver = DriverEngine(0.2), Driver("poller-test")
+    poller = _held_poller(engine, driver)
+    held = [0]
+    try:
+        with pytest.raises(TransferTimeout):
+            await poller.write("peer", _one_entry(4096), timeout=0.01, hold=_counted_hold(held))
+        assert held[0] == 1  # the submission still runs on the driver
+        for _ in range(1000):
+            if poller.in_flight:
+                break
+            await asyncio.sleep(0.001)
+        assert poller.in_flight == 1 and held[0] == 1  # adopted: the handle holds now
+        engine.released = True
+        for _ in range(1000):
+            if not poller.in_flight:
+                break
+            await asyncio.sleep(0.001)
+        assert (held[0], poller.in_flight, poller.completed) == (0, 0, 1)
+    finally:
+        await poller.aclose(1.0)
+        driver.close()

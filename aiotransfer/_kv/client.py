@@ -180,7 +180,7 @@ class PrefillClient:
         probe = engine.probe_region
         return Hello(
             version=PROTOCOL_VERSION, endpoint=ctx.endpoint, generation=secrets.randbits(62), incarnation=ctx.generation,
-            engine=ctx.engine_name, session_id=engine.session_id, engine_info=engine.local_info(),
+            engine=ctx.engine_name, session_id=engine.session_id, engine_info=ctx.engine_info,
             probe_addr=probe.ptr if probe is not None else a.kv[0].ptr, compat=ctx.compat,
             kv=[BufferSpec(b.ptr, b.nbytes, b.item_len, b.layer_id) for b in a.kv],
             aux=[BufferSpec(b.ptr, b.nbytes, b.item_len) for b in a.aux],

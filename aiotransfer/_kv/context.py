@@ -1,6 +1,6 @@
 """``RankContext``: what every part of one rank shares.
 
-Config, buffers, the engine, the offload executor, the poll loop, the control plane, liveness, the staging
+Config, buffers, the engine, its driver thread, the offload executor, the poll loop, the control plane, liveness, the staging
 arena, counters and metrics, and the spawning of background tasks. The parts (prefill side, decode side,
 push, staging, leader) each hold the context and nothing of each other but what they are handed.
 """
@@ -19,6 +19,7 @@ import numpy as np
 
 from .._deadline import Deadline
 from .._device import device_initializer
+from .._driver import Driver
 from .._liveness import Liveness
 from .._offload import Offloader
 from .._poller import Poller
@@ -64,8 +65,13 @@ class RankContext:
         self.metrics = Metrics()
         # Device first (engines allocate per-device resources at init), and on every executor thread.
         self.offload = Offloader(config.engine, config.executor_threads, initializer=device_initializer(config))
+        self.driver = Driver(config.engine, initializer=device_initializer(config))
+        """The one thread that makes the engine's calls that may wait (creation, registration, handshakes,
+        the writes the loop cannot post, close)."""
         self.engine_or_none: TransferEngine | None = engine
         self.poller_or_none: Poller | None = None
+        self.engine_info = b""
+        """What a peer needs to reach our engine (``engine.local_info()`` once our memory is registered)."""
         self.control_or_none: ControlPlane | None = None
         self.started = False
         self.closed = False

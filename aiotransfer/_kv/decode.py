@@ -36,7 +36,7 @@ class DecodeSide:
     def on_drained(self, msg: Drained) -> None:
         """A prefill rank acknowledges that nothing of a failed room can write here any more."""
         rx = self._receivers.get(msg.room) or self._draining.get(msg.room)
-        if rx is None or not rx.on_drained(msg.endpoint):
+        if rx is None or not rx.on_drained(msg.endpoint, settle=msg.settle_ms / 1000):
             self._ctx.drop("unexpected-drained", f"room {msg.room} from {msg.endpoint}")
             return
         self._ctx.counters["drains_acknowledged"] += 1

@@ -23,7 +23,7 @@ __all__ = ["Ledger"]
 
 
 class Ledger:
-    __slots__ = ("_on_empty", "_refusal", "closed", "held", "room", "taken")
+    __slots__ = ("_on_empty", "_refusal", "closed", "failed_writes", "held", "room", "taken")
 
     def __init__(self, room: int = -1, on_empty: Callable[[], None] | None = None,
                  refusal: Callable[[], str | None] | None = None) -> None:
@@ -34,6 +34,9 @@ class Ledger:
         """Holds ever taken (for tests and stats)."""
         self.closed = False
         """Closed when the room's pages were released: no hold can be taken any more."""
+        self.failed_writes = 0
+        """Engine writes of the room that ended FAILED (or were abandoned): bytes they had sent may still
+        land on an engine with ``landing_grace_s``."""
         self._on_empty = on_empty
         self._refusal = refusal
         """Why the room may post no new engine write (it is terminal), or None."""
@@ -68,6 +71,10 @@ class Ledger:
         if reason is not None:
             raise TransferFailed(reason, room=self.room)
         assert self.held > 0, "a room's write holds its ledger from its first await to its end"
+
+    def write_failed(self) -> None:
+        """An engine write holding this ledger ended without completing (:meth:`Poller.write` calls it)."""
+        self.failed_writes += 1
 
     def close(self) -> None:
         """The room's pages are released: no hold can be taken after this."""

@@ -62,9 +62,11 @@ class Notifier:
         ctx = self._ctx
         await self._broadcast(endpoints, Abort(room=room, endpoint=ctx.endpoint, reason=reason[:REASON_MAX]))
 
-    async def drained(self, room: int, endpoints: Iterable[str]) -> None:
-        """Tell decode ranks that nothing of this failed room can write into their pages any more."""
-        await self._broadcast(endpoints, Drained(room=room, endpoint=self._ctx.endpoint))
+    async def drained(self, room: int, endpoints: Iterable[str], settle: float = 0.0) -> None:
+        """Tell decode ranks that nothing of this failed room can write into their pages any more; ``settle``:
+        seconds they must still wait once they read it (a failed write's bytes still in the network)."""
+        msg = Drained(room=room, endpoint=self._ctx.endpoint, settle_ms=round(settle * 1000))
+        await self._broadcast(endpoints, msg)
 
     async def _broadcast(self, endpoints: Iterable[str], msg: Status | Abort | Drained) -> None:
         ctx = self._ctx

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from .. import _trace
+from .._deadline import Deadline
 from ..aux_state import StateType
 from ..control.messages import PROTOCOL_VERSION, Abort, Hello, HelloAck, TransferRequest, unpack_indices
 from ..convert import check_convertible, page_geometry
@@ -154,9 +155,14 @@ class PrefillSide:
         reason = verdict if isinstance(verdict, str) else None
         if reason is None:
             try:
-                await ctx.offload.run(
+                # first the bounded check that takes no engine lock (an executor thread), then the handshake
+                # on the driver: a peer that does not answer never holds up the engine's other calls
+                deadline = Deadline(ctx.config.handshake_timeout)
+                await ctx.offload.run(ctx.engine.reach, hello.session_id, deadline.budget, timeout=deadline.budget,
+                                      what=f"first contact with {hello.session_id}")
+                await ctx.driver.run(
                     ctx.engine.connect, hello.session_id, hello.engine_info, hello.probe_addr,
-                    timeout=ctx.config.handshake_timeout, what=f"engine handshake with {hello.session_id}",
+                    timeout=deadline.remaining(), what=f"engine handshake with {hello.session_id}",
                 )
             except (EngineError, TransferTimeout) as exc:
                 reason = f"our engine cannot reach yours ({hello.session_id}): {exc}"

@@ -30,17 +30,26 @@ async def close_down(ctx: RankContext, regions: Sequence[MemoryRegion], *, regis
     engine writes are still in flight."""
 
     async def finish(draining: asyncio.Task[int] | None) -> None:
-        remaining = await draining if draining is not None else 0  # bounded by the drain's own bound
+        try:
+            remaining = await draining if draining is not None else 0  # bounded by the drain's own bound
+        except asyncio.CancelledError:
+            # the event loop is going away with writes still in the engine: its process normally goes with it
+            if ctx.control_or_none is not None and ctx.poller_or_none is not None:
+                log.warning("event loop closing with %d engine writes in flight: control port %s closed before "
+                            "they are over", ctx.poller_or_none.in_flight, ctx.endpoint)
+                await ctx.control_or_none.aclose(linger=0)
+            raise
         engine = ctx.engine_or_none
         if engine is not None and registered and remaining == 0:
             with contextlib.suppress(AiotransferError):
-                await ctx.offload.run(engine.deregister, regions, timeout=timeout, what="memory deregistration")
+                await ctx.driver.run(engine.deregister, regions, timeout=timeout, what="memory deregistration")
         if ctx.control_or_none is not None and remaining == 0:  # else bound until the process exits
             await ctx.control_or_none.aclose()
         if engine is not None and own_engine and remaining == 0:
             with contextlib.suppress(AiotransferError):
-                await ctx.offload.run(engine.close, timeout=timeout, what="engine close")
+                await ctx.driver.run(engine.close, timeout=timeout, what="engine close")
         ctx.offload.shutdown(wait=False)
+        ctx.driver.close()
 
     poller = ctx.poller_or_none
     if poller is None:

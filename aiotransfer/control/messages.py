@@ -47,6 +47,8 @@ PROTOCOL_VERSION = 2
 """2: signed messages bind their sender and destination endpoints (see :mod:`.endpoint`)."""
 _INDEX_DTYPE = np.dtype("<i4")
 _MAX_LIST = 1 << 16
+_MAX_SETTLE_MS = 60_000
+"""A drain acknowledgement may ask the decode to keep its pages at most this long (a minute)."""
 
 
 class BufferSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -285,10 +287,15 @@ class Abort(msgspec.Struct, tag="abort", frozen=True):
 
 class Drained(msgspec.Struct, tag="drained", frozen=True):
     """Prefill -> decode, after the room failed: no engine operation of this room that writes into the
-    decode's pages or staging arena is pending any more (each reached a terminal state in the engine)."""
+    decode's pages or staging arena is pending any more (each reached a terminal state in the engine).
+
+    ``settle_ms``: a write of the room ended FAILED on an engine whose failed writes may still deliver bytes
+    they had sent (``EngineTraits.landing_grace_s``): the decode keeps the pages this long after the message
+    arrives."""
 
     room: int
     endpoint: str
+    settle_ms: int = 0
 
 
 Message = (
@@ -361,6 +368,7 @@ def validate(msg: Message) -> None:
         _check(msg.buffer >= 0 and msg.index >= 0, "bad aux buffer/index")
     elif isinstance(msg, Drained):
         _check_room(msg.room)
+        _check(0 <= msg.settle_ms <= _MAX_SETTLE_MS, "bad settle time")
     elif isinstance(msg, Abort):
         _check_room(msg.room)
         _check(len(msg.reason) <= 4096, "reason too long")

@@ -7,7 +7,7 @@
 * :class:`RegionIndex`       -- registered regions by address: absolute address -> (region, offset), in bulk
 * :func:`block_arrays`       -- a :class:`~aiotransfer.plan.Blocks` batch as contiguous ``uint64`` arrays
 * :class:`AgentEngine`       -- base of adapters with one native agent, a lock, peers and live handles:
-                                ``__repr__`` and the polling ``wait`` of blocking callers
+                                their ``__repr__``
 
 Nothing here imports a vendor package.
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -37,8 +36,6 @@ __all__ = [
     "vendor_error",
 ]
 
-_WAIT_SLEEP_MIN = 0.00005
-_WAIT_SLEEP_MAX = 0.001
 _DEFAULT_MAP: Mapping[type[Exception], type[AiotransferError]] = {Exception: EngineError}
 
 
@@ -144,15 +141,3 @@ class AgentEngine(EngineBase):
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"peers={len(self._peers)} in_flight={len(self._live)}"
         return f"<{type(self).__name__} {self.session_id} {self.transport} {state}>"
-
-    def wait(self, handle: TransferHandle, timeout: float) -> EngineStatus:
-        """Poll ``check`` with short sleeps (blocking callers only). Returns PENDING after ``timeout``
-        seconds if still in flight (the handle stays live); ``timeout <= 0`` checks once."""
-        deadline = time.monotonic() + timeout
-        pause = _WAIT_SLEEP_MIN
-        while (status := self.check(handle)) is EngineStatus.PENDING:
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(pause)
-            pause = min(pause * 2, _WAIT_SLEEP_MAX)
-        return status

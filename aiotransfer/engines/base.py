@@ -6,10 +6,12 @@ promise, method by method, whether a call blocks, spins or is cheap. The primiti
 
 * ``register`` / ``deregister``      -- make local memory addressable by peers (cheap, may hold the GIL)
 * ``local_info``                     -- bytes a peer needs to reach us (NIXL agent metadata; empty for Mooncake)
-* ``connect``                        -- blocking first contact with a peer; always called off the loop, bounded
+* ``reach``                          -- bounded first contact with a peer that takes no engine lock (any thread)
+* ``connect``                        -- blocking handshake with a peer; called on the engine's driver thread
 * ``submit_write``                   -- post a batch of (src, dst, length) writes; returns a one-shot handle
-* ``check``                          -- non-blocking status of a POLL handle (cheap enough for the event loop)
-* ``wait``                           -- blocking wait for a BLOCK handle, exactly once, on a waiter thread
+* ``check``                          -- non-blocking status of a handle (cheap enough for the event loop; it
+                                        never waits for a lock another call may hold)
+* ``abandon``                        -- give up a handle the engine never ended, once its bound has passed
 * ``close``                          -- tear down
 
 Besides the primitives, each engine declares what the core needs to know about it, with defaults in one
@@ -20,9 +22,15 @@ place (:class:`EngineBase`; an adapter that declares every member itself need no
 * ``credit_scope``                   -- the object whose per-peer in-flight entry limit writes share
 * ``try_submit_inline``              -- post a small write from the event loop if that cannot wait, else None
 
-A :class:`TransferHandle` is consumed exactly once: after ``check`` or ``wait`` returned a terminal
-status the adapter has already released the native handle, and any further query raises instead of
-touching freed memory (Mooncake batch ids are raw pointers; a second query is a use-after-free).
+Terminal means terminal. ``check`` answers DONE or FAILED only when the engine can no longer touch the
+write's memory; an engine answer that is not terminal in that sense (a timeout, "busy", an error while other
+parts of the write may still run) leaves the handle PENDING and sets :attr:`TransferHandle.doomed`: the
+write will not succeed, the caller learns it at once, and the memory stays pinned until a terminal answer
+(or the release quarantine). docs/engines.md lists each engine's answers with their sources.
+
+A :class:`TransferHandle` is consumed exactly once: after ``check`` returned a terminal status the adapter
+has already released the native handle, and any further query raises instead of touching freed memory
+(Mooncake batch ids are raw pointers; a second query is a use-after-free).
 """
 
 from __future__ import annotations
@@ -42,12 +50,14 @@ __all__ = [
     "MemoryRegion",
     "TransferEngine",
     "TransferHandle",
-    "WaitMode",
 ]
 
 
 class EngineStatus(enum.Enum):
-    """Status of a posted transfer, translated from each vendor's codes/strings inside the adapter."""
+    """Status of a posted transfer, translated from each vendor's codes/strings inside the adapter.
+
+    DONE and FAILED are terminal: the engine can no longer read the write's source or write its
+    destination through this handle. Everything else is PENDING (see :attr:`TransferHandle.doomed`)."""
 
     PENDING = "pending"
     DONE = "done"
@@ -56,15 +66,6 @@ class EngineStatus(enum.Enum):
     @property
     def is_terminal(self) -> bool:
         return self is not EngineStatus.PENDING
-
-
-class WaitMode(enum.Enum):
-    """How completion of a handle is observed."""
-
-    POLL = "poll"
-    """``check()`` is non-blocking and cheap: the poll loop calls it from the event loop."""
-    BLOCK = "block"
-    """Only ``wait()`` works and it blocks (and may spin): one waiter thread calls it, exactly once."""
 
 
 @dataclass(frozen=True)
@@ -89,13 +90,18 @@ class TransferHandle:
     """A one-shot token for one posted batch. Only the adapter that created it may interpret ``token``."""
 
     token: Any
-    mode: WaitMode
     peer: str
     entries: int
     nbytes: int
     status: EngineStatus = EngineStatus.PENDING
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    doomed: str | None = None
+    """Why the write will not succeed, although the engine may still touch its memory (a timeout that is not
+    terminal, one entry failed while others run, an error the engine reports before it has quiesced): set
+    by the adapter while ``check`` still answers PENDING. The poll loop fails the write at once with this
+    reason and keeps the handle, and every hold on its memory, until ``check`` answers terminally, or until
+    the release quarantine has passed (then :meth:`TransferEngine.abandon`)."""
     landed: bool = False
     """The engine reported the write complete when it was posted (NIXL copies inline over shared memory): the
     poll loop asks ``check`` right away instead of on its next round, so the completion and a ``Success``
@@ -114,14 +120,19 @@ class TransferHandle:
         self.error = error
         return status
 
+    def doom(self, reason: str) -> None:
+        """Record the first reason the write will not succeed (the handle stays PENDING)."""
+        if self.doomed is None:
+            self.doomed = reason
+
     def ensure_pending(self) -> None:
         if self.status.is_terminal:
             raise EngineError("transfer handle already consumed; it must not be queried again")
 
     def __repr__(self) -> str:
         return (
-            f"<TransferHandle {self.mode.value} peer={self.peer} entries={self.entries} "
-            f"bytes={self.nbytes} {self.status.value}>"
+            f"<TransferHandle peer={self.peer} entries={self.entries} bytes={self.nbytes} {self.status.value}"
+            f"{' doomed' if self.doomed and not self.status.is_terminal else ''}>"
         )
 
 
@@ -129,15 +140,12 @@ class TransferHandle:
 class EngineTraits:
     """What the core needs to know about an engine to drive it well; read as ``engine.traits.<field>``.
 
-    The defaults describe a cautious engine: every submit goes through the executor, its threads may
-    busy-poll, and its staging constants are Mooncake TCP's (measured).
+    The defaults describe a cautious engine: its threads may busy-poll, a failed write leaves nothing in
+    flight, and its staging constants are Mooncake TCP's (measured). Whether a write may be posted from the
+    event loop is not a trait but a question asked per write (``try_submit_inline``): only the adapter knows
+    whether its locks are free right now.
     """
 
-    cheap_submit: bool = False
-    """``submit_write`` of a few entries only queues work: the poll loop calls it from the event loop instead
-    of the executor, for writes of up to :attr:`inline_entries` entries."""
-    inline_entries: int = 1
-    """With :attr:`cheap_submit`, the most entries a write submitted from the event loop may have."""
     quiet_threads: bool = False
     """The engine's own threads block while idle: after a ``Success`` the loop may yield its CPU
     (``TransferConfig.yield_after_notify``), and ``engine_threads="background"`` may put them at idle
@@ -146,11 +154,18 @@ class EngineTraits:
     """Cost of one transfer entry whatever its size, in seconds: a constant of the staging cost model."""
     bandwidth_bps: float = 2e9
     """Throughput of one peer connection in bytes per second: the other constant of the staging cost model."""
+    landing_grace_s: float = 0.0
+    """How long, once the destination runs, bytes of a write the engine ended FAILED may still be applied there:
+    a FAILED answer proves the source quiesced, not that nothing already sent is still in the network
+    (Mooncake TCP drops the connection of a write whose acknowledgement is late; what the kernel had already
+    sent is still read and applied by the peer when it runs again). A decode keeps the pages of a room whose
+    writes failed this long after the prefill's drain acknowledgement arrives."""
 
     def __post_init__(self) -> None:
-        if self.entry_cost_s < 0 or self.bandwidth_bps <= 0 or self.inline_entries < 0:
+        if self.entry_cost_s < 0 or self.bandwidth_bps <= 0 or self.landing_grace_s < 0:
             raise ValueError(
-                f"invalid engine traits entry_cost_s={self.entry_cost_s} bandwidth_bps={self.bandwidth_bps}"
+                f"invalid engine traits entry_cost_s={self.entry_cost_s} bandwidth_bps={self.bandwidth_bps} "
+                f"landing_grace_s={self.landing_grace_s}"
             )
 
 
@@ -158,8 +173,8 @@ class EngineTraits:
 class TransferEngine(Protocol):
     """What every engine adapter provides (structural typing; adapters need not inherit).
 
-    :class:`EngineBase` supplies the defaults of ``traits``, ``probe_region``, ``credit_scope`` and
-    ``try_submit_inline``.
+    :class:`EngineBase` supplies the defaults of ``traits``, ``probe_region``, ``credit_scope``,
+    ``try_submit_inline``, ``reach`` and ``abandon``.
     """
 
     name: str
@@ -180,8 +195,9 @@ class TransferEngine(Protocol):
         ...
 
     def try_submit_inline(self, peer: str, blocks: Blocks) -> TransferHandle | None:
-        """Post a small write from the calling (event-loop) thread if that cannot wait (no lock held
-        elsewhere, no copy of size); None, with nothing posted, sends the write through the executor."""
+        """Post a small write from the calling (event-loop) thread if that cannot wait (no lock that another
+        call may hold across network I/O or a large copy); None, with nothing posted, sends the write
+        through the engine's driver thread."""
         ...
 
     @property
@@ -202,13 +218,23 @@ class TransferEngine(Protocol):
 
     def deregister(self, regions: Sequence[MemoryRegion]) -> None: ...
 
+    def reach(self, peer: str, timeout: float) -> None:
+        """Blocking, bounded by ``timeout``, and without any lock of the engine: check that ``peer`` answers
+        what the engine's handshake will ask of it (raise :class:`EngineError` if not), so that a peer that
+        does not answer never reaches ``connect``, which may hold the engine's lock while it waits."""
+        ...
+
     def connect(self, peer: str, peer_info: bytes, probe_addr: int) -> None: ...
 
     def submit_write(self, peer: str, blocks: Blocks) -> TransferHandle: ...
 
     def check(self, handle: TransferHandle) -> EngineStatus: ...
 
-    def wait(self, handle: TransferHandle, timeout: float) -> EngineStatus: ...
+    def abandon(self, handle: TransferHandle) -> None:
+        """Give up a handle whose write the engine never ended (its release quarantine has passed): drop or
+        park the native handle without waiting, and consume ``handle`` as FAILED. Called once, from the
+        event loop."""
+        ...
 
     def forget_peer(self, peer: str) -> None: ...
 
@@ -219,8 +245,8 @@ class EngineBase:
     """The defaults of the optional engine members, in one place; adapters and fakes inherit them.
 
     Override ``traits`` (a class attribute, or an instance attribute set in ``__init__`` when a measured
-    value depends on the configuration), ``probe_region``, ``credit_scope`` or ``try_submit_inline`` as
-    the engine needs.
+    value depends on the configuration), ``probe_region``, ``credit_scope``, ``try_submit_inline``,
+    ``reach`` or ``abandon`` as the engine needs.
     """
 
     traits: EngineTraits = EngineTraits()
@@ -232,5 +258,14 @@ class EngineBase:
         return self
 
     def try_submit_inline(self, peer: str, blocks: Blocks) -> TransferHandle | None:
-        """Default: never inline; every write goes through the executor."""
+        """Default: never inline; every write goes through the engine's driver thread."""
         return None
+
+    def reach(self, peer: str, timeout: float) -> None:
+        """Default: nothing to check before ``connect``."""
+        return None
+
+    def abandon(self, handle: TransferHandle) -> None:
+        """Default: nothing native to drop; the handle ends FAILED."""
+        if not handle.consumed:
+            handle.finish(EngineStatus.FAILED, handle.doomed or "abandoned after the release quarantine")

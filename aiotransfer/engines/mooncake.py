@@ -6,26 +6,30 @@ an NVIDIA driver, ``aiotransfer[mooncake]`` (``mooncake-transfer-engine``) on CU
 The wheels are mutually exclusive (same ``mooncake`` package); the CUDA ones fail to import without
 ``libcuda.so.1``.
 
-Call by call (measured facts, see the project's engine notes):
+Call by call (measured facts and the binding's source, see docs/engines.md):
 
-=========================  ============================  ============  ===========================
-method                     blocks?                       GIL released  thread-safe
-=========================  ============================  ============  ===========================
-``__init__``               yes (engine init, ~ms)        no            -- (run on the offload thread)
-``register``/``deregister``  no (metadata only on TCP)   yes (batch)   yes
-``connect``                yes: probe + 1-byte handshake  yes          yes, but the first transfer to
-                           write; a silent peer can hold               a peer takes an engine-wide
-                           the engine mutex for 60 s                   mutex: always bound it
-``submit_write``           short (~10 us per entry)      yes           yes
-``check`` (POLL handles)   no (~5 us)                    yes           yes
-``wait`` (BLOCK handles)   yes, **busy-spins a core**    yes           one call per handle, ever
-=========================  ============================  ============  ===========================
+==============================  ===============================  ============  =========================
+method                          blocks?                          GIL released  thread (who calls it)
+==============================  ===============================  ============  =========================
+``__init__``                    yes (engine init, ~ms)           no            driver
+``register``/``deregister``     no (metadata only on TCP)        yes (batch)   driver
+``connect``                     yes: metadata request (bounded   yes           driver; takes the
+                                by ``handshake_timeout``), then                engine's mutex for the
+                                the engine's own handshake                     handshake
+``try_submit_inline``           short (~20 us per entry);        yes           event loop; never waits:
+                                None while a handshake runs                    falls back to the driver
+``submit_write``                short (~20 us per entry)         yes           driver
+``check``                       no (~5 us), no engine lock       yes           event loop
+==============================  ===============================  ============  =========================
 
-Single-entry batches become POLL handles (``transfer_submit_write`` + ``transfer_check_status``, polled
-from the event loop: lowest loop lag, no spinning thread). Multi-entry batches become BLOCK handles
-(``batch_transfer_async_write`` + exactly one ``get_batch_transfer_status([id])`` on a waiter thread).
-Native batch ids are raw pointers freed by the first terminal query; :class:`TransferHandle` makes
-them one-shot so no id is ever queried twice (a second query is a use-after-free: SIGSEGV).
+Every write is posted entry by entry (``transfer_submit_write``) and every entry polled with
+``transfer_check_status``, the binding's one answer that is terminal entry by entry: 1 and -1 end the entry
+and free its id, -2 (timeout) does not (the entry still runs; the handle is doomed and asked again). A
+multi-entry batch (``batch_transfer_async_write``) is not used: ``get_batch_transfer_status`` answers -1 on a
+timeout or on the first failed entry while others still run, and the batch can never be asked again after
+that (it frees the ids it can; docs/engines.md). Native ids are raw pointers freed by the terminal query;
+:class:`TransferHandle` makes them one-shot so no id is ever queried twice (a second query is a
+use-after-free: SIGSEGV).
 
 The native engine is shared by every manager in the process under a reference count (as serving stacks
 share it between PD transfer and KV offloading); each adapter owns only its own registrations.
@@ -63,7 +67,8 @@ import numpy as np
 from ..config import TransferConfig
 from ..errors import ConfigError, EngineError, EngineUnavailable
 from ..plan import Blocks
-from .base import EngineBase, EngineStatus, EngineTraits, MemoryRegion, TransferHandle, WaitMode
+from .base import EngineBase, EngineStatus, EngineTraits, MemoryRegion, TransferHandle
+from .mooncake_preflight import fetch_descriptor
 from .mooncake_setup import (
     MOONCAKE_PROTOCOLS,
     REFRESH_ENV,
@@ -86,10 +91,11 @@ __all__ = [
 
 log = logging.getLogger("aiotransfer.engines.mooncake")
 
-_CHECK_PENDING, _CHECK_DONE, _CHECK_FAILED, _CHECK_TIMEOUT = 0, 1, -1, -2
-_POLL_ENTRIES = 8
-"""Writes of up to this many entries are posted entry by entry and polled from the loop; larger ones go as
-one batch that a waiter thread waits on (``get_batch_transfer_status``)."""
+_CHECK_PENDING, _CHECK_DONE, _CHECK_TIMEOUT = 0, 1, -2
+"""``transfer_check_status`` answers (transfer_engine_py.cpp, ``transferCheckStatus``); -1 is FAILED."""
+_INLINE_ENTRIES = 8
+"""Writes of up to this many entries may be posted from the event loop (about 20 us an entry); larger ones are
+posted by the driver thread. Every write is posted entry by entry and polled from the loop."""
 _RC_ALREADY_REGISTERED = -7
 _HANDSHAKE_RETRY_S = 0.25
 _HANDSHAKE_WINDOW_S = 2.0
@@ -230,6 +236,47 @@ def _without_benign_init_error() -> Iterator[None]:
             log.debug("Mooncake logged its benign start-up line: %s", dropped[0].decode(errors="replace").strip())
 
 
+class _Gate:
+    """Keeps the event loop off the engine's mutex while a handshake may hold it.
+
+    Writes posted from the loop (:meth:`MooncakeEngine.try_submit_inline`) never wait: they ``enter`` only
+    while no handshake of the process is in progress, and go to the driver thread otherwise. A handshake
+    closes the gate, then waits for the loop's posts already inside the engine to leave (a few
+    microseconds: they hold the mutex only to look the peer up), before it calls the engine. The gate's
+    own lock is held only around these counters, never across an engine call."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._left = threading.Condition(self._lock)
+        self.handshakes = 0
+        self.posting = 0
+
+    def enter(self) -> bool:
+        with self._lock:
+            if self.handshakes:
+                return False
+            self.posting += 1
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self.posting -= 1
+            if self.posting == 0:
+                self._left.notify_all()
+
+    @contextlib.contextmanager
+    def handshake(self) -> Iterator[None]:
+        with self._lock:
+            self.handshakes += 1
+            while self.posting:
+                self._left.wait()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.handshakes -= 1
+
+
 class _SharedNative:
     """The process-wide native engine, reference counted."""
 
@@ -249,6 +296,10 @@ class _SharedNative:
         self.refs = 0
         self.known: set[str] = set()
         """Peers the engine has fetched a descriptor for (it keeps them for its lifetime)."""
+        self.opened: set[str] = set()
+        """Names (``names`` values) whose segment the engine has open: a write to one takes the engine's mutex
+        only to look it up, never across a handshake."""
+        self.gate = _Gate()
         self.names: dict[str, str] = {}
         """Peer session -> the alias the engine knows a restarted peer by (see ``_handshake``)."""
         self.regions: dict[tuple[int, int], int] = {}  # (ptr, nbytes) -> refcount
@@ -260,14 +311,13 @@ class MooncakeEngine(EngineBase):
     """Mooncake adapter; one native engine per process, shared (see module docstring)."""
 
     name = "mooncake"
-    traits = EngineTraits(cheap_submit=True, inline_entries=_POLL_ENTRIES, quiet_threads=True, entry_cost_s=30e-6,
-                          bandwidth_bps=2.0e9)
-    """``cheap_submit``: ``transfer_submit_write`` only queues (about 20 us an entry), so writes of up to
-    ``_POLL_ENTRIES`` entries are submitted from the loop, entry by entry, and polled there: no thread hop
-    either way. ``quiet_threads``: the transport's threads block while idle (0.5 % CPU for an idle process,
-    measured), so the loop may yield its CPU after a Success without waiting behind them. Staging
-    constants: the measured per-entry cost over TCP, whatever the entry size, and the TCP loopback
-    throughput of one peer connection."""
+    traits = EngineTraits(quiet_threads=True, entry_cost_s=30e-6, bandwidth_bps=2.0e9, landing_grace_s=1.0)
+    """``quiet_threads``: the transport's threads block while idle (0.5 % CPU for an idle process, measured),
+    so the loop may yield its CPU after a Success without waiting behind them. Staging constants: the
+    measured per-entry cost over TCP, whatever the entry size, and the TCP loopback throughput of one peer
+    connection. ``landing_grace_s``: a write whose acknowledgement is late fails after its lane is closed,
+    and what the kernel had already sent is still applied when the peer runs again (measured: a decode
+    stopped with SIGSTOP; the bytes of its failed writes landed within milliseconds of SIGCONT)."""
     probe_region: MemoryRegion
     """A registered 64-byte scratch region: the source of this engine's handshake writes, and the target
     of its peers'."""
@@ -303,6 +353,10 @@ class MooncakeEngine(EngineBase):
         self._owned: list[MemoryRegion] = []
         self._closed = False
         self._handshake_window = min(_HANDSHAKE_WINDOW_S, config.handshake_timeout / 2)
+        self._handshake_bound = config.handshake_timeout
+        """Bound on a peer's answer to the metadata request made before the engine's own (see ``reach``)."""
+        self._reached: set[str] = set()
+        """Peers :meth:`reach` checked, for the ``connect`` that follows."""
         scratch = np.zeros(64, dtype=np.uint8)
         self._scratch = scratch
         self.probe_region = MemoryRegion(int(scratch.ctypes.data), scratch.nbytes)
@@ -412,19 +466,43 @@ class MooncakeEngine(EngineBase):
                     log.warning("unregister_memory(%#x) returned %d", r.ptr, rc)
 
     # -- transfers -----------------------------------------------------------------------------
+    def reach(self, peer: str, timeout: float) -> None:
+        """Any thread, no engine lock: :func:`fetch_descriptor`, the metadata request the engine's handshake
+        makes, bounded by ``timeout``. A peer that does not answer it is refused here and never reaches
+        ``connect``, where the engine would wait for it (60 s) holding the mutex every write takes."""
+        fetch_descriptor(peer, timeout)
+        with _SharedNative.lock:
+            self._reached.add(peer)
+
     def connect(self, peer: str, peer_info: bytes, probe_addr: int) -> None:
-        """Blocking first contact: a liveness probe, then a 1-byte write into the peer's probe region,
-        which performs the engine handshake now (bounded by the caller) instead of on the first transfer.
-        Peers that publish no probe region (``probe_addr == 0``: SGLang decodes) only get the probe."""
+        """Blocking handshake (driver thread). Unless :meth:`reach` just checked the peer, it does so first
+        (bounded by ``handshake_timeout``). Then, with the gate closed to writes from the event loop, the
+        engine opens the peer's segment: a 1-byte write into the peer's probe region, or, for peers that
+        publish none (``probe_addr == 0``: SGLang decodes), a zero-length write, which opens the segment
+        and moves nothing. A peer that answered :meth:`reach` and then leaves the engine's identical request
+        unanswered holds the engine's mutex up to Mooncake's fixed 60 s receive timeout: the driver and
+        other writes wait that long, never the event loop."""
         s = self._shared
-        probe = getattr(s.native, "send_probe", None)
-        if probe is not None:
-            rc = probe(s.names.get(peer, peer))
-            if rc != 0:
-                raise EngineError(f"Mooncake peer {peer} is unreachable (send_probe returned {rc})", code=rc)
-        if probe_addr > 0:
-            self._handshake(peer, probe_addr)
+        with _SharedNative.lock:
+            reached = peer in self._reached
+            self._reached.discard(peer)
+        if not reached:
+            fetch_descriptor(peer, self._handshake_bound)
+        with s.gate.handshake():
+            if probe_addr > 0:
+                self._handshake(peer, probe_addr)
+            else:
+                self._open(peer)
         s.known.add(peer)
+
+    def _open(self, peer: str) -> None:
+        s = self._shared
+        name = s.names.get(peer, peer)
+        rc = s.native.transfer_sync_write(name, self.probe_region.ptr, self.probe_region.ptr, 0)
+        if rc != 0:
+            s.opened.discard(name)
+            raise EngineError(f"Mooncake could not open the segment of {peer} ({rc})", code=rc)
+        s.opened.add(name)
 
     def _handshake(self, peer: str, probe_addr: int) -> None:
         """Write one byte into the peer's probe region, retrying over a short window.
@@ -443,12 +521,14 @@ class MooncakeEngine(EngineBase):
             attempts += 1
             rc = s.native.transfer_sync_write(name, self.probe_region.ptr, probe_addr, 1)
             if rc == 0:
+                s.opened.add(name)
                 if name != s.names.get(peer, peer):
                     s.names[peer] = name
                     log.info("Mooncake peer %s restarted on a known address: addressed as %s from now on", peer, name)
                 elif attempts > 1:
                     log.info("Mooncake handshake with %s succeeded after %d attempts", peer, attempts)
                 return
+            s.opened.discard(name)  # a failed sync write may have closed the segment (transferSync)
             if attempts == 1 and peer in s.known:
                 name = _fresh_alias(name)
                 continue
@@ -465,77 +545,84 @@ class MooncakeEngine(EngineBase):
         """Nothing to drop: the engine keeps a peer's descriptor for its lifetime, and a peer that comes
         back on the same address is re-fetched by the next handshake (see ``_handshake``)."""
 
-    def submit_write(self, peer: str, blocks: Blocks) -> TransferHandle:
-        n = len(blocks)
-        if n == 0:
-            raise EngineError("empty transfer batch")
-        native = self._shared.native
-        name = self._shared.names.get(peer, peer)
-        if n <= _POLL_ENTRIES:
+    def try_submit_inline(self, peer: str, blocks: Blocks) -> TransferHandle | None:
+        """Post a write of up to ``_INLINE_ENTRIES`` entries from the event loop, unless that could wait:
+        ``transfer_submit_write`` takes the engine's mutex, which a handshake holds across a network round
+        trip, and opens (under that mutex) the segment of a peer the engine has not opened. So the write
+        goes to the driver thread instead (None, nothing posted) while any handshake of this process is in
+        progress, or when the engine has not opened ``peer``'s segment."""
+        s = self._shared
+        if len(blocks) > _INLINE_ENTRIES:
+            return None
+        name = s.names.get(peer, peer)
+        if name not in s.opened or not s.gate.enter():
+            return None
+        try:
             return self._submit_entries(peer, name, blocks)
-        bid = native.batch_transfer_async_write(name, blocks.src.tolist(), blocks.dst.tolist(), blocks.length.tolist())
-        if not bid:
-            raise EngineError(f"Mooncake refused a {n}-entry write to {peer} (peer unreachable or bad batch)")
-        return TransferHandle(token=bid, mode=WaitMode.BLOCK, peer=peer, entries=n, nbytes=blocks.nbytes)
+        finally:
+            s.gate.leave()
+
+    def submit_write(self, peer: str, blocks: Blocks) -> TransferHandle:
+        """Driver thread. A peer whose segment the engine has not opened is opened first, as ``connect``
+        does (bounded first contact, then the engine's own)."""
+        if len(blocks) == 0:
+            raise EngineError("empty transfer batch")
+        s = self._shared
+        name = s.names.get(peer, peer)
+        if name not in s.opened:
+            fetch_descriptor(peer, self._handshake_bound)
+            with s.gate.handshake():
+                self._open(peer)
+        return self._submit_entries(peer, name, blocks)
 
     def _submit_entries(self, peer: str, name: str, blocks: Blocks) -> TransferHandle:
-        """A few entries, each its own one-entry write (``transfer_submit_write``, which only queues it), all
-        polled with ``transfer_check_status``: no thread waits on them. An entry the engine refuses after
-        others were posted fails the handle once those are over, as they may still read the memory."""
+        """Each entry its own one-entry write (``transfer_submit_write``, which only queues it), all polled
+        with ``transfer_check_status``: the only answer of the binding that is terminal entry by entry (a
+        multi-entry batch is answered by ``get_batch_transfer_status``, whose -1 may come while entries still
+        run, after which the batch can never be asked again; see docs/engines.md). An entry the engine
+        refuses after others were posted dooms the handle, which ends once those are over."""
         submit = self._shared.native.transfer_submit_write
         ids: list[int] = []
-        refused: str | None = None
+        handle = TransferHandle(token=ids, peer=peer, entries=len(blocks), nbytes=blocks.nbytes)
         for src, dst, length in zip(blocks.src.tolist(), blocks.dst.tolist(), blocks.length.tolist(), strict=True):
             bid = submit(name, src, dst, length)
             if not bid:
                 refused = f"Mooncake refused entry {len(ids)} of a {len(blocks)}-entry write to {peer} (peer unreachable)"
                 if not ids:
                     raise EngineError(refused)
+                handle.doom(refused)
                 break
             ids.append(bid)
-        return TransferHandle(token=ids, mode=WaitMode.POLL, peer=peer, entries=len(blocks), nbytes=blocks.nbytes,
-                              error=refused)
+        return handle
 
     def check(self, handle: TransferHandle) -> EngineStatus:
-        """Polls each entry still pending once (``transfer_check_status`` frees an entry's id when it ends, so
-        an ended entry is never asked again); DONE once every entry is, FAILED once every entry has ended
-        and one failed."""
+        """Polls each entry still pending once; takes no lock of the engine (``transfer_check_status`` reads
+        the task's counters). 1 (completed) and -1 (failed: the lane was closed first, the source is no
+        longer read) end an entry and free its id, so an ended entry is never asked again. -2 (timed out) is
+        not an end: the entry still runs and its id stays valid; the handle is doomed and asked again. DONE
+        once every entry completed, FAILED once every entry ended and one failed."""
         handle.ensure_pending()
-        if handle.mode is not WaitMode.POLL:
-            raise EngineError("check() on a BLOCK handle: multi-entry Mooncake batches can only be waited")
         ids: list[int] = handle.token
         status = self._shared.native.transfer_check_status
         pending: list[int] = []
         for bid in ids:
             rc = status(bid)
+            if rc == _CHECK_DONE:
+                continue
             if rc == _CHECK_PENDING:
                 pending.append(bid)
-            elif rc != _CHECK_DONE and handle.error is None:
-                reason = "engine timeout" if rc == _CHECK_TIMEOUT else f"engine reported failure ({rc})"
-                handle.error = f"Mooncake write to {handle.peer}: {reason}"
+            elif rc == _CHECK_TIMEOUT:
+                pending.append(bid)
+                handle.doom(f"Mooncake write to {handle.peer}: engine timeout (the entry is still in flight)")
+            else:
+                handle.doom(f"Mooncake write to {handle.peer}: engine reported failure ({rc})")
+                handle.error = handle.error or handle.doomed
         handle.token = pending
         if pending:
             return EngineStatus.PENDING
-        if handle.error is not None:
-            return handle.finish(EngineStatus.FAILED, handle.error)
+        if handle.doomed is not None:
+            return handle.finish(EngineStatus.FAILED, handle.doomed)
         return handle.finish(EngineStatus.DONE)
-
-    def wait(self, handle: TransferHandle, timeout: float) -> EngineStatus:
-        """Blocks (spinning) until the batch completes, fails or hits ``MC_TRANSFER_TIMEOUT``; ``timeout``
-        is advisory here: the native wait cannot be interrupted."""
-        handle.ensure_pending()
-        native = self._shared.native
-        if handle.mode is WaitMode.POLL:
-            # Spin on the cheap check; used only by blocking callers (benchmarks, sync helpers).
-            while (status := self.check(handle)) is EngineStatus.PENDING:
-                pass
-            return status
-        rc = native.get_batch_transfer_status([handle.token])
-        if rc == 0:
-            return handle.finish(EngineStatus.DONE)
-        return handle.finish(
-            EngineStatus.FAILED, f"Mooncake batch write of {handle.entries} entries to {handle.peer} failed ({rc})"
-        )
 
     def close(self) -> None:
         if self._closed:

@@ -37,6 +37,7 @@ life of the process rather than free memory MORI may touch.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -54,7 +55,7 @@ from ..config import TransferConfig
 from ..errors import ClosedError, EngineError, EngineUnavailable
 from ..plan import Blocks
 from ._common import AgentEngine, RegionIndex, block_arrays, map_errors, quietly, vendor_error
-from .base import EngineStatus, EngineTraits, MemoryRegion, TransferHandle, WaitMode
+from .base import EngineStatus, EngineTraits, MemoryRegion, TransferHandle
 
 __all__ = ["MoriEngine"]
 
@@ -68,6 +69,13 @@ _INSTALL_HINT = (
 _INFO_VERSION = 1
 _PARKED: list[tuple[Any, list[Any]]] = []
 """(engine, statuses) still written by MORI after close(): kept for the life of the process."""
+
+
+def _env_int(name: str) -> int:
+    try:
+        return int(os.environ.get(name, "1"))
+    except ValueError:
+        return 1
 
 
 def _import_io() -> Any:
@@ -98,6 +106,8 @@ class _Batch:
     statuses: list[Any]
     error: str | None = None
     done: list[bool] = field(default_factory=list)
+    unknown: bool = False
+    """A status query raised: nothing more can be learned about this batch."""
 
 
 class MoriEngine(AgentEngine):
@@ -125,6 +135,12 @@ class MoriEngine(AgentEngine):
         self._peers: dict[str, _Peer] = {}
         self._live: set[TransferHandle] = set()
         self._closed = False
+        codes = io.StatusCode
+        over = [codes.INIT, codes.ERR_INVALID_ARGS, codes.ERR_NOT_FOUND]
+        if _env_int("MORI_IO_NUM_WORKER_THREADS") <= 1:
+            over.append(codes.ERR_BAD_STATE)  # through the executor, one split's code while others were posted
+        self._over = frozenset(over)
+        """Status codes after which MORI no longer touches the status's memory."""
         xgmi = os.environ.get("MORI_DISABLE_AUTO_XGMI") == "0"
         self._transport = "rdma+xgmi" if xgmi else "rdma"
         desc = engine.get_engine_desc()
@@ -271,18 +287,29 @@ class MoriEngine(AgentEngine):
                     break
                 batch.statuses.extend(statuses)
             batch.done = [False] * len(batch.statuses)
-            handle = TransferHandle(token=batch, mode=WaitMode.POLL, peer=peer, entries=n, nbytes=blocks.nbytes)
+            handle = TransferHandle(token=batch, peer=peer, entries=n, nbytes=blocks.nbytes)
             self._live.add(handle)
             return handle
 
     def check(self, handle: TransferHandle) -> EngineStatus:
-        """Non-blocking: terminal once every posted status is (the first error is reported)."""
+        """Non-blocking (the engine lock is only tried: a submit holding it answers PENDING). Terminal once
+        every posted status is over: SUCCESS, or an error MORI sets before posting anything (INIT left by an
+        early return, ERR_INVALID_ARGS, ERR_BAD_STATE without the executor, ERR_NOT_FOUND). ERR_RDMA_OP and
+        ERR_GPU_OP are not an end: MORI sets them on a partial post, a failed notification after every data
+        write was posted, or the first error of several queue pairs, while other work of the status runs on
+        (docs/engines.md): the handle is doomed and stays live until the release quarantine (:meth:`abandon`
+        parks its statuses). A status query that raises leaves nothing known: doomed likewise."""
         handle.ensure_pending()
         batch = handle.token
-        if handle.mode is not WaitMode.POLL or not isinstance(batch, _Batch):
+        if not isinstance(batch, _Batch):
             raise EngineError("check() on a handle this MORI engine did not create")
+        if batch.unknown:
+            return EngineStatus.PENDING
         codes = self._io.StatusCode
-        with self._lock:
+        if not self._lock.acquire(blocking=False):
+            return EngineStatus.PENDING  # a submit holds the engine (the first write to a pair connects)
+        with contextlib.ExitStack() as held:
+            held.callback(self._lock.release)
             self._check_open()
             pending = False
             errors: list[str] = []
@@ -293,19 +320,23 @@ class MoriEngine(AgentEngine):
                     code = st.Code()
                     if code == codes.SUCCESS:
                         batch.done[i] = True
-                    elif code in (codes.INIT, codes.IN_PROGRESS):
+                    elif code == codes.IN_PROGRESS:
                         pending = True
-                    else:
+                    elif code in self._over:  # nothing of it was posted, or nothing of it runs any more
                         batch.done[i] = True
                         errors.append(f"{getattr(code, 'name', code)}: {st.Message()}")
+                    else:  # an error while some of its work may still run: never an end
+                        pending = True
+                        handle.doom(f"MORI write to {handle.peer} failed: {getattr(code, 'name', code)}: "
+                                    f"{st.Message()} (some of it may still run)")
             except Exception as exc:
-                reason = f"MORI status query for {handle.peer} failed: {vendor_error(exc)}"
-                self._live.discard(handle)
-                _PARKED.append((self._engine, list(batch.statuses)))  # MORI may still write them
-                handle.finish(EngineStatus.FAILED, reason)
-                raise EngineError(reason) from exc
+                batch.unknown = True
+                handle.doom(f"MORI status query for {handle.peer} failed: {vendor_error(exc)}")
+                return EngineStatus.PENDING
             if errors and batch.error is None:
                 batch.error = f"MORI write to {handle.peer} failed: {'; '.join(errors)}"
+            if batch.error is not None:
+                handle.doom(batch.error)
             if pending:
                 return EngineStatus.PENDING
             self._live.discard(handle)
@@ -313,6 +344,19 @@ class MoriEngine(AgentEngine):
             if batch.error is not None:
                 return handle.finish(EngineStatus.FAILED, batch.error)
             return handle.finish(EngineStatus.DONE)
+
+    def abandon(self, handle: TransferHandle) -> None:
+        """The quarantine passed without every status ending: the statuses (which MORI's completion threads
+        may still write) are parked for the life of the process, and the handle ends FAILED."""
+        batch = handle.token
+        with self._lock:
+            if handle.consumed:
+                return
+            self._live.discard(handle)
+            if isinstance(batch, _Batch) and batch.statuses:
+                _PARKED.append((self._engine, list(batch.statuses)))
+                batch.statuses.clear()
+            handle.finish(EngineStatus.FAILED, handle.doomed or "abandoned after the release quarantine")
 
     # -- teardown ------------------------------------------------------------------------------
     def close(self) -> None:

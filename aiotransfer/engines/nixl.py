@@ -7,25 +7,28 @@ also pulls a multi-GB CUDA build of torch that NIXL only uses for type hints. On
 One NIXL agent per adapter, named ``aiotransfer-<host>-<pid>-<random>``; that name is the session id.
 
 =====================  ==================================  ===============  ===========================
-method                 blocks?                             GIL released     thread-safe
+method                 blocks?                             GIL released     thread (who calls it)
 =====================  ==================================  ===============  ===========================
-``__init__``           yes: agent + UCX init (~0.2 s)      no               -- (offload thread)
-``register``           short (memory registration)         yes (binding)    yes (agent lock)
-``connect``            short: loads the peer's metadata,   yes (binding)    yes (agent lock)
+``__init__``           yes: agent + UCX init (~0.2 s)      no               driver
+``register``           short (memory registration)         yes (binding)    driver (agent lock)
+``connect``            short: loads the peer's metadata,   yes (binding)    driver (agent lock)
                        then ``make_connection``
-``submit_write``       short: builds NumPy descriptor      while NIXL       yes (agent lock)
+``submit_write``       short: builds NumPy descriptor      while NIXL       driver (agent lock)
                        lists, then a non-blocking post     creates/posts
-``check``              no (~1 us)                          yes (binding)    yes (agent lock)
-``wait``               yes: polls ``check`` with short     yes              yes; blocking callers only
-                       sleeps until done or ``timeout``
-``close``              short                               partly           yes (agent lock)
+``try_submit_inline``  as ``submit_write``; None at once   while NIXL       event loop; tries the agent
+                       when the agent lock is taken        posts            lock, never waits
+``check``              no (~1 us)                          yes (binding)    event loop; tries the lock
+``abandon``            short (releases the native handle)  yes              event loop (agent lock)
+``close``              short                               partly           driver (agent lock)
 =====================  ==================================  ===============  ===========================
 
 NIXL calls must be serialised per agent: the poll loop calls ``check`` from the event-loop thread
-while ``submit_write`` runs on one executor thread (``transfer()`` may copy inline over shared memory),
+while ``submit_write`` runs on the driver thread (``transfer()`` may copy inline over shared memory),
 so every agent call takes one ``threading.Lock``; ``check`` only tries it and answers PENDING when a
-submit holds it, so the event loop never waits for a copy. Handles are POLL handles (``initialize_xfer`` + ``transfer`` + ``check_xfer_state``);
-the native xfer handle is released as soon as a terminal state is seen (or NIXL raised), and a
+submit holds it, so the event loop never waits for a copy. A handle is ``initialize_xfer`` + ``transfer``
++ ``check_xfer_state``; only DONE is terminal (see :meth:`NixlEngine.check` and docs/engines.md): the
+native xfer handle is released when DONE is seen, or, for a write NIXL answered ERR or raised for, only
+when the release quarantine has passed (:meth:`NixlEngine.abandon`). A
 :class:`~aiotransfer.engines.base.TransferHandle` is never queried twice. Handles that fail to release
 are kept in a ledger, retried at :meth:`NixlEngine.close` and logged.
 
@@ -62,7 +65,7 @@ from ..config import TransferConfig
 from ..errors import ClosedError, EngineError, EngineUnavailable
 from ..plan import Blocks
 from ._common import AgentEngine, RegionIndex, block_arrays, map_errors, quietly
-from .base import EngineStatus, EngineTraits, MemoryRegion, TransferHandle, WaitMode
+from .base import EngineStatus, EngineTraits, MemoryRegion, TransferHandle
 
 __all__ = ["NixlEngine", "nixl_env_defaults"]
 
@@ -258,6 +261,8 @@ class NixlEngine(AgentEngine):
         self._local = _RegionTable([])
         self._peers: dict[str, _Peer] = {}
         self._live: set[TransferHandle] = set()
+        self._forgotten: set[str] = set()
+        """Peers to remove once their last live write ends (see ``forget_peer``)."""
         self._unreleased: list[Any] = []
         self._closed = False
         tls = os.environ.get("UCX_TLS", "").strip()
@@ -359,6 +364,7 @@ class NixlEngine(AgentEngine):
             raise EngineError(f"NIXL peer info from {peer} names an unknown memory type")
         with self._lock:
             agent = self._check_open()
+            self._forgotten.discard(peer)
             known = self._peers.get(peer)
             if known is not None and known.info == peer_info:
                 return
@@ -377,10 +383,12 @@ class NixlEngine(AgentEngine):
             self._peers[peer] = _Peer(peer_info, name, _RegionTable(info.regions))
 
     def forget_peer(self, peer: str) -> None:
+        """Drop a peer declared dead. While writes to it are live the removal waits for them to end: NIXL
+        invalidates a removed agent's handles (``getXferStatus`` then answers NOT_FOUND without asking UCX,
+        whose requests may still run)."""
         with self._lock:
-            known = self._peers.pop(peer, None)
-            if known is not None and not self._closed:
-                self._remove_remote(self._agent, known.name)
+            self._forgotten.add(peer)
+            self._forget_if_idle(peer)
 
     @staticmethod
     def _remove_remote(agent: Any, name: str) -> None:
@@ -413,7 +421,7 @@ class NixlEngine(AgentEngine):
         n = len(blocks)
         agent = self._check_open()
         known = self._peers.get(peer)
-        if known is None:
+        if known is None or peer in self._forgotten:
             raise EngineError(f"NIXL peer {peer} is not connected")
         src, dst, length = block_arrays(blocks)
         local_mem, local_descs = _descs(self._local, src, length, "local source")
@@ -426,27 +434,38 @@ class NixlEngine(AgentEngine):
             rx = agent.get_xfer_descs(remote_descs, remote_mem)
             native = agent.initialize_xfer("WRITE", lx, rx, known.name)
         xfer = _Xfer(native)
-        handle = TransferHandle(token=xfer, mode=WaitMode.POLL, peer=peer, entries=n, nbytes=blocks.nbytes)
+        handle = TransferHandle(token=xfer, peer=peer, entries=n, nbytes=blocks.nbytes)
         try:
             with map_errors(f"NIXL transfer to {peer} failed to post"):
                 state = agent.transfer(native)
-        except EngineError:
-            self._release(xfer)
-            raise
-        if state == "ERR":
-            self._release(xfer)
-            raise EngineError(f"NIXL refused to post a {n}-entry write to {peer} (ERR)")
+        except EngineError as exc:
+            if type(exc.__cause__).__name__ == _NOT_POSTED:
+                self._release(xfer)  # refused by NIXL's own checks, before any request was posted
+                raise
+            # the backend may have posted some of the write's requests before one failed: they run on
+            handle.doom(str(exc))
+            state = "PROC"
+        if state == "ERR":  # the binding raises instead; kept for a build that answers it
+            handle.doom(f"NIXL transfer to {peer} reported ERR at its post")
         handle.landed = state == "DONE"
         self._live.add(handle)
         return handle
 
     def check(self, handle: TransferHandle) -> EngineStatus:
         """Non-blocking, even against a concurrent submit: when the agent lock is busy (a ``transfer()``
-        copying inline over shared memory on the executor thread) it answers PENDING instead of waiting.
-        A terminal answer releases the native handle (even when NIXL raises)."""
+        copying inline over shared memory on the driver thread) it answers PENDING instead of waiting.
+
+        Only DONE is terminal. ``check_xfer_state`` answers ERR as soon as the last UCX request of the write
+        failed, while its other requests may still run (``nixlUcxBackendReqH::status``), and NIXL never asks
+        UCX again once it has answered ERR; an exception (the remote agent invalidated or disconnected) comes
+        before NIXL looked at the requests at all; and releasing a handle whose requests still run cancels
+        nothing (``ucp_request_cancel`` does not stop RMA). So ERR and exceptions doom the handle: it stays
+        live, the native handle unreleased, until the release quarantine (:meth:`abandon`)."""
         handle.ensure_pending()
-        if handle.mode is not WaitMode.POLL or not isinstance(handle.token, _Xfer):
+        if not isinstance(handle.token, _Xfer):
             raise EngineError("check() on a handle this NIXL engine did not create")
+        if handle.doomed is not None:
+            return EngineStatus.PENDING  # NIXL will not answer again: only the quarantine ends it
         if not self._lock.acquire(blocking=False):
             return EngineStatus.PENDING
         with contextlib.ExitStack() as held:
@@ -458,19 +477,43 @@ class NixlEngine(AgentEngine):
                 with map_errors(f"NIXL transfer to {handle.peer} failed"):
                     state = self._agent.check_xfer_state(handle.token.native)
             except EngineError as exc:
-                self._terminal(handle, EngineStatus.FAILED, str(exc))
-                raise
+                handle.doom(str(exc))
+                return EngineStatus.PENDING
             if state == "PROC":
                 return EngineStatus.PENDING
             if state == "DONE":
                 return self._terminal(handle, EngineStatus.DONE)
-            return self._terminal(handle, EngineStatus.FAILED, f"NIXL transfer to {handle.peer} reported {state}")
+            handle.doom(f"NIXL transfer to {handle.peer} reported {state}")
+            return EngineStatus.PENDING
+
+    def abandon(self, handle: TransferHandle) -> None:
+        """The quarantine passed without a terminal answer: release the native handle (NIXL frees its UCX
+        requests; UCX completes any still running on its own) and end the handle FAILED."""
+        with self._lock:
+            if handle.consumed:
+                return
+            if not isinstance(handle.token, _Xfer):
+                raise EngineError("abandon() of a handle this NIXL engine did not create")
+            if self._closed:
+                handle.finish(EngineStatus.FAILED, handle.doomed or "NIXL engine closed")
+                return
+            self._terminal(handle, EngineStatus.FAILED, handle.doomed or "abandoned after the release quarantine")
+            self._forget_if_idle(handle.peer)
 
     def _terminal(self, handle: TransferHandle, status: EngineStatus, error: str | None = None) -> EngineStatus:
         """Under the lock: release the native handle, then consume the TransferHandle."""
         self._live.discard(handle)
         self._release(handle.token)
+        self._forget_if_idle(handle.peer)
         return handle.finish(status, error)
+
+    def _forget_if_idle(self, peer: str) -> None:
+        """Under the lock: remove a peer whose removal waited for its last live write to end."""
+        if peer in self._forgotten and not any(h.peer == peer for h in self._live):
+            self._forgotten.discard(peer)
+            known = self._peers.pop(peer, None)
+            if known is not None and not self._closed:
+                self._remove_remote(self._agent, known.name)
 
     def _release(self, xfer: _Xfer) -> None:
         if xfer.released:
@@ -509,6 +552,9 @@ class NixlEngine(AgentEngine):
         return self._check_open()
 
 
+_NOT_POSTED = "nixlNotFoundError"
+"""The one exception ``transfer()`` raises before the backend posted anything (the remote agent or its
+generation is gone: ``nixlAgent::postXferReq``); after any other, requests may be in flight."""
 _FEW_DESCS = 8
 _MIXED = "{what}: one NIXL transfer cannot mix DRAM and VRAM; split the batch"
 """Up to this many entries, a write's descriptors are built in plain Python (:meth:`_RegionTable.few_descs`)."""

@@ -50,7 +50,7 @@ def create_engine(config: TransferConfig) -> TransferEngine:
     return engine
 
 
-_OPTIONAL_MEMBERS = ("traits", "probe_region", "credit_scope", "try_submit_inline")
+_OPTIONAL_MEMBERS = ("traits", "probe_region", "credit_scope", "try_submit_inline", "reach", "abandon")
 """Protocol members with defaults in ``EngineBase``: an adapter written before they existed lacks them."""
 
 

@@ -67,7 +67,9 @@ class TransferConfig:
     """``NVLINK``, ``INTRA_NODE_NVLINK`` or ``BAREX`` when KV lives in a custom pool (drives aux path)."""
 
     handshake_timeout: float = 10.0
-    """Bound on first contact with a peer: registration round trip and engine handshake."""
+    """Bound on first contact with a peer: registration round trip and engine handshake. A Mooncake peer
+    that does not answer the handshake's metadata request within it is refused before the engine (whose own
+    wait, under its engine-wide mutex, is 60 s) ever contacts it."""
     ready_timeout: float = 300.0
     """Default bound for ``KVSender.wait_ready`` (decode's page indices arriving)."""
     transfer_timeout: float = 60.0
@@ -76,7 +78,8 @@ class TransferConfig:
     """Default bound for ``done()`` on either side."""
     engine_timeout_s: int | None = 30
     """Mooncake's own per-transfer timeout (``MC_TRANSFER_TIMEOUT``, min 5; also sets
-    ``MC_TCP_STATUS_TIMEOUT_SEC``). ``None`` leaves the environment untouched."""
+    ``MC_TCP_STATUS_TIMEOUT_SEC``). Past it a write fails but may still be in flight: its memory stays
+    pinned until the engine ends it (docs/engines.md). ``None`` leaves the environment untouched."""
     engine_log_level: str = "ERROR"
     """glog level of the engine (``MC_LOG_LEVEL``); an explicit environment value wins."""
     engine_metadata_refresh_s: int | None = None
@@ -141,10 +144,12 @@ class TransferConfig:
     """A peer silent this long is declared dead: its rooms fail on this side (the other side does the
     same on its own), it is blacklisted and probed until it answers again."""
     release_quarantine_s: float | None = None
-    """Decode side: how long a failed room's pages stay out of reach when the prefill can neither
-    acknowledge a drain nor be proven gone (see "Page lifecycle"); after it they are released with a
-    warning and ``stats()['quarantines_expired']``. None: twice the engine's own transfer timeout
-    (``engine_timeout_s``, or 30 s) plus ``peer_timeout``."""
+    """The bound on what the engine never ends. Decode side: how long a failed room's pages stay out of reach
+    when the prefill can neither acknowledge a drain nor be proven gone (see "Page lifecycle"); after it
+    they are released with a warning and ``stats()['quarantines_expired']``. Prefill side: how long after
+    its write failed an engine write the engine has still not ended keeps its memory pinned; after it the
+    handle is abandoned with a warning and ``stats()['engine_expired']``. None: twice the engine's own
+    transfer timeout (``engine_timeout_s``, or 30 s) plus ``peer_timeout``."""
     checksum: bool = False
     """End-to-end CRC32 of every transferred byte, verified by decode before it reports Success."""
     staging: str = "auto"

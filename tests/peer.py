@@ -253,7 +253,9 @@ class Peer:
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
         async with KVManager(args, cfg) as mgr:
             if ns.hostile_handshake:
-                _front_handshake(mgr, ns.hostile_handshake, ns.hostile_mode)
+                from aiotransfer._cli.hostile import front_handshake
+
+                front_handshake(mgr, ns.hostile_handshake, ns.hostile_mode)
             self.reply({"id": 0, "ok": True, "endpoint": mgr.endpoint})
             tasks: set[asyncio.Task[None]] = set()
             while True:
@@ -269,50 +271,6 @@ class Peer:
             for t in tasks:
                 t.cancel()
         os._exit(0)
-
-
-def _front_handshake(mgr: KVManager, hold: float, mode: str) -> None:
-    """Put a listener in front of this process's Mooncake handshake port and advertise it as our engine's
-    address: with ``mode="once"`` it answers the first metadata request (forwarded to the engine) and holds
-    every later one ``hold`` seconds before closing it unanswered (a peer that stops answering right after
-    its first answer); with ``mode="silent"`` it holds every request. A peer that registers and then leaves
-    the engine's own handshake hanging."""
-    import socket
-    import struct
-    import threading
-    import time
-
-    from aiotransfer.engines.mooncake import MooncakeEngine
-
-    real = mgr.engine.session_id
-    host, _, port = real.rpartition(":")
-    lsock = socket.create_server((host, 0))
-    front = f"{host}:{lsock.getsockname()[1]}"
-    answered = [0]
-
-    def read_frame(conn: socket.socket) -> bytes:
-        head = conn.recv(8, socket.MSG_WAITALL)
-        (n,) = struct.unpack("<Q", head)
-        return head + conn.recv(n, socket.MSG_WAITALL)
-
-    def serve(conn: socket.socket) -> None:
-        with conn:
-            request = read_frame(conn)
-            if mode == "once" and answered[0] == 0:
-                answered[0] += 1
-                with socket.create_connection((host, int(port))) as up:
-                    up.sendall(request)
-                    conn.sendall(read_frame(up))
-                return
-            time.sleep(hold)
-
-    def accept() -> None:
-        while True:
-            conn, _ = lsock.accept()
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    MooncakeEngine.session_id = property(lambda self: front)  # type: ignore[method-assign, assignment]
 
 
 def main() -> None:
@@ -345,7 +303,7 @@ def main() -> None:
     p.add_argument("--mem-pool", default="", help="TransferConfig.custom_mem_pool; aux buffers placed by it")
     p.add_argument("--device", default="cpu", help="where the KV buffers live (cuda:N: torch tensors there)")
     p.add_argument("--hostile-handshake", type=float, default=0.0,
-                   help="seconds a front listener holds the engine's handshake requests (see _front_handshake)")
+                   help="seconds a front listener holds the engine's handshake requests (aiotransfer._cli.hostile)")
     p.add_argument("--hostile-mode", choices=("once", "silent"), default="once")
     asyncio.run(Peer(p.parse_args()).run())
 

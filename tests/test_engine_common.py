@@ -422,3 +422,31 @@ def test_mooncake_posts_from_the_loop_only_while_no_handshake_can_hold_the_engin
     release.set()
     t.join(5)
     assert engine.try_submit_inline("peer", _blocks(2)) is not None
+
+
+def test_a_mooncake_write_of_many_entries_asks_only_its_oldest_running_ones() -> None:
+    """A round asks entries in posting order and stops at ``_CHECK_WINDOW`` still running (a write of a thousand
+    entries must not cost a thousand status calls per poll); ended entries are never asked again."""
+    from aiotransfer.engines.base import EngineStatus
+
+    native = _Native()
+    engine = _mooncake_over(native)
+    asked: list[int] = []
+    check = native.transfer_check_status
+
+    def counting(bid: int) -> int:
+        asked.append(bid)
+        return check(bid)
+
+    native.transfer_check_status = counting  # type: ignore[method-assign]
+    n, window = 40, mc._CHECK_WINDOW
+    handle = engine.submit_write("peer", _blocks(n))
+    assert engine.check(handle) is EngineStatus.PENDING and len(asked) == window
+    for bid in range(100, 100 + n - 1):
+        native.end(bid)
+    asked.clear()
+    assert engine.check(handle) is EngineStatus.PENDING  # the last entry still runs
+    assert len(asked) == n and native.freed == set(range(100, 100 + n - 1))
+    native.end(100 + n - 1)
+    asked.clear()
+    assert engine.check(handle) is EngineStatus.DONE and asked == [100 + n - 1]

@@ -482,12 +482,13 @@ def _table(res: dict[str, Any]) -> str:
 # arguments / entry points
 # ----------------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--suite", choices=("default", "full", "lifecycle", "streaming", "conversion", "vllm", "sglang",
-                                        "device"),
+    p.add_argument("--suite", choices=("default", "full", "lifecycle", "handshake", "streaming", "conversion", "vllm",
+                                        "sglang", "device"),
                    default="default",
                    help="default: figures (a)-(c) of raw Mooncake vs aiotransfer; full: the performance suite "
                         "(throughput vs size, scattered, loop-lag CDF, concurrency, 4 KiB latency, the floor of a "
                         "small room, send_aux by path, TP 4->2, engines), JSON + PNG plots; lifecycle: abort -> released() latency; "
+                        "handshake: the prefill's loop lag while a decode's Mooncake handshake hangs; "
                         "streaming: layer streaming's exposed transfer time; conversion: page-size and layout "
                         "conversion throughput against plain staging; "
                         "vllm: PD through AiotransferConnector vs vLLM's NixlConnector (run with the vLLM "
@@ -551,6 +552,10 @@ def run(ns: argparse.Namespace) -> int:
         from .lifecycle import run_lifecycle
 
         return run_lifecycle(ns)
+    if getattr(ns, "suite", "default") == "handshake":
+        from .handshake import run_handshake
+
+        return run_handshake(ns)
     if getattr(ns, "suite", "default") == "streaming":
         from .streaming import run_streaming
 

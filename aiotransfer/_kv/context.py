@@ -1,7 +1,7 @@
 """``RankContext``: what every part of one rank shares.
 
-Config, buffers, the engine, its driver thread, the offload executor, the poll loop, the control plane, liveness, the staging
-arena, counters and metrics, and the spawning of background tasks. The parts (prefill side, decode side,
+Config, buffers, the engine, its driver thread, the offload executor, the poll loop, the control plane,
+liveness, the staging arena, counters and metrics, and the spawning of background tasks. The parts (prefill side, decode side,
 push, staging, leader) each hold the context and nothing of each other but what they are handed.
 """
 

@@ -158,8 +158,9 @@ class PrefillSide:
                 # first the bounded check that takes no engine lock (an executor thread), then the handshake
                 # on the driver: a peer that does not answer never holds up the engine's other calls
                 deadline = Deadline(ctx.config.handshake_timeout)
-                await ctx.offload.run(ctx.engine.reach, hello.session_id, deadline.budget, timeout=deadline.budget,
-                                      what=f"first contact with {hello.session_id}")
+                # the engine's own bound a little inside ours, so that its reason is the one reported
+                await ctx.offload.run(ctx.engine.reach, hello.session_id, 0.9 * deadline.budget,
+                                      timeout=deadline.budget, what=f"first contact with {hello.session_id}")
                 await ctx.driver.run(
                     ctx.engine.connect, hello.session_id, hello.engine_info, hello.probe_addr,
                     timeout=deadline.remaining(), what=f"engine handshake with {hello.session_id}",

@@ -72,6 +72,12 @@ core from the engine's own threads. Measured on Mooncake TCP, 2 vCPUs, 8 x 8 MiB
 full --phases lag,concurrency``): timed polls instead of spinning raised throughput from 0.80x to 1.00x of a
 raw thread (1.67-1.73 GB/s spinning, 1.74-2.05 GB/s timed, over several runs); 256 requests in flight went
 from 0.60x to 0.76x of the raw single stream. Loop-lag p99 varies more between runs than between the two."""
+_SPIN_ENTRIES = 16
+"""...and while those transfers have at most this many engine entries between them: a write of many entries
+(a room over dozens of KV buffers) is work queued in the engine too, and a loop spinning on its statuses
+takes the CPU its lanes need. Measured on Mooncake TCP, 2 vCPUs, one room of 64 x 32 KiB entries: spinning,
+the poll loop asked the write 446 times and the room took 6.0 ms; polled on timed sleeps, see
+docs/performance.md."""
 _SPIN_BYTES = 1 << 20
 """...or while the polled transfers in flight add up to at most this many bytes (about 0.5 ms of Mooncake TCP):
 then completions are imminent, and small concurrent requests keep their latency. Measured with 4 x 256 KiB in
@@ -155,6 +161,7 @@ class Poller:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._polled: dict[TransferHandle, asyncio.Future[None]] = {}
         self._polled_bytes = 0
+        self._polled_entries = 0
         self._on_done: dict[TransferHandle, Callable[[], None]] = {}
         self._holds: dict[TransferHandle, list[Callable[[], None]]] = {}
         self._guards: dict[TransferHandle, WriteGuard] = {}
@@ -337,6 +344,7 @@ class Poller:
         self._idle.clear()
         self._polled[handle] = fut
         self._polled_bytes += handle.nbytes
+        self._polled_entries += handle.entries
         self._wake.set()
         return fut
 
@@ -346,6 +354,7 @@ class Poller:
         if fut is None:
             return
         self._polled_bytes -= handle.nbytes
+        self._polled_entries -= handle.entries
         self._given_up.pop(handle, None)
         self.pinned_bytes -= handle.nbytes
         credits = self._credits.get(handle.peer)
@@ -451,7 +460,8 @@ class Poller:
             if progressed:
                 last_progress = now
                 interval = self.interval_min
-            shallow = len(self._polled) <= _SPIN_DEPTH or self._polled_bytes <= _SPIN_BYTES
+            shallow = ((len(self._polled) <= _SPIN_DEPTH and self._polled_entries <= _SPIN_ENTRIES)
+                       or self._polled_bytes <= _SPIN_BYTES)
             if shallow and now - last_progress < _SPIN_WINDOW:
                 await asyncio.sleep(0)
             else:

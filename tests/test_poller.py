@@ -52,6 +52,11 @@ class HeldEngine(EngineBase):
 
 
 def _one_entry(nbytes: int) -> Blocks:
+    """One entry of ``nbytes``; ``-n``: ``n`` entries of 32 KiB."""
+    if nbytes < 0:
+        n = -nbytes
+        return Blocks(np.arange(n, dtype=np.uint64) * 32768, np.arange(n, dtype=np.uint64) * 32768,
+                      np.full(n, 32768, dtype=np.uint64))
     return Blocks(np.array([4096], np.uint64), np.array([8192], np.uint64), np.array([nbytes], np.uint64))
 
 
@@ -100,6 +105,7 @@ async def _checks_per_handle(count: int, nbytes: int) -> tuple[float, int]:
         (8, 4096, True),  # many small requests, 32 KiB queued: completions are imminent
         (3, 8 << 20, False),  # the engine has work queued: leave it the cores
         (8, 8 << 20, False),
+        (1, -64, False),  # one write of 64 entries (a room over 64 KV buffers), 2 MiB: work queued too
     ],
 )
 async def test_spins_only_while_little_is_queued(count: int, nbytes: int, spins: bool) -> None:
@@ -114,7 +120,7 @@ async def test_spins_only_while_little_is_queued(count: int, nbytes: int, spins:
 
 
 def test_spin_thresholds_are_the_documented_ones() -> None:
-    assert _poller._SPIN_DEPTH == 2 and _poller._SPIN_BYTES == 1 << 20
+    assert _poller._SPIN_DEPTH == 2 and _poller._SPIN_BYTES == 1 << 20 and _poller._SPIN_ENTRIES == 16
 
 
 def _held_poller(engine: HeldEngine, offloader: Driver, max_batch: int = 1024, expire_after: float = 60.0) -> Poller:

@@ -84,8 +84,11 @@ async def _phase(prefill: KVManager, healthy: Child, hostile: Child | None, seco
         while not stop:
             tx = prefill.sender(r)
             await healthy.channel.send({"cmd": "open", "room": r, "peer": ep})
-            await tx.wait_ready(timeout=60)
-            await tx.send_kv([(r * _ROOM + i) % _PAGES for i in range(_ROOM)], timeout=60)
+            try:
+                await tx.wait_ready(timeout=60)
+                await tx.send_kv([(r * _ROOM + i) % _PAGES for i in range(_ROOM)], timeout=60)
+            except AiotransferError as exc:  # a stalled loop misses its heartbeats: the decode gives up on us
+                errors.append(f"prefill: {exc}"[:200])
             reply = await healthy.expect("ok", 60)
             await tx.released(timeout=60)
             lat.append(float(reply["ms"]))
@@ -111,7 +114,8 @@ async def _phase(prefill: KVManager, healthy: Child, hostile: Child | None, seco
     await mon.stop()
     lags = [float(x) for x in mon.samples]
     return {
-        "seconds": seconds, "rooms": len(lat), "room_errors": errors[:3], "hostile_registrations": registrations,
+        "seconds": seconds, "rooms": len(lat), "failed_rooms": len(errors), "room_errors": errors[:3],
+        "hostile_registrations": registrations,
         "loop_lag_ms": {"p50": _pct(lags, 50), "p99": _pct(lags, 99), "max": round(max(lags), 3) if lags else None},
         "room_ms": {"p50": _pct(lat, 50), "p99": _pct(lat, 99), "max": round(max(lat), 3) if lat else None},
     }
@@ -140,7 +144,8 @@ async def _prefill(ns: argparse.Namespace) -> dict[str, Any]:
                 lag, rl = res["loop_lag_ms"], res["room_ms"]
                 print(f"hostile decode {mode:6s}: loop lag p50 {lag['p50']} ms, p99 {lag['p99']} ms, max "
                       f"{lag['max']} ms; {res['rooms']} healthy rooms, latency p50 {rl['p50']} ms, p99 {rl['p99']} "
-                      f"ms, max {rl['max']} ms; {res['hostile_registrations']} hostile registrations", flush=True)
+                      f"ms, max {rl['max']} ms, {res['failed_rooms']} failed; {res['hostile_registrations']} hostile "
+                      "registrations", flush=True)
     finally:
         for child in children:
             await child.close()

@@ -289,6 +289,12 @@ class KVReceiver(RoomSide):
             self.on_drained(endpoint, cause)
 
     @property
+    def settling(self) -> list[str]:
+        """Prefill ranks that acknowledged the drain after a failed write: counted as drained once the settle
+        they asked for has passed (a failed write's bytes may still be on their way)."""
+        return sorted(self._settling)
+
+    @property
     def awaiting_drain(self) -> list[str]:
         """Prefill ranks whose drain this failed room still waits for before its pages are released."""
         return sorted(self._undrained) if not self.is_released() else []

@@ -558,6 +558,8 @@ class World:
             if rx is None or room.exempt or rx.is_released():
                 continue
             for ep in rx.awaiting_drain:
+                if ep in rx.settling:
+                    continue  # acknowledged; the settle it asked for has not passed yet
                 node = stages.get(ep)
                 if node is None:
                     continue

@@ -59,9 +59,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
 
 from aiotransfer import KVPoll
+from aiotransfer.engines.base import EngineStatus
 from aiotransfer.receiver import KVReceiver
 from tests.interleave_parts import STAGES, Room
-from tests.interleave_world import ENGINE_TIMEOUT, EXAMPLES, SOAK, STEPS, Violation, World
+from tests.interleave_world import ENGINE_TIMEOUT, EXAMPLES, LANDING_GRACE, SOAK, STEPS, Violation, World
 
 # ---------------------------------------------------------------------------------------------------
 # The state machine
@@ -416,6 +417,84 @@ def test_the_checks_catch_a_call_that_outlives_its_timeout() -> None:
         w.advance(1.0)  # its bound passes before the next step, which is a quiet loop to notice it in
         with pytest.raises(Violation, match=r"\(d\) a wait with no end"):
             checked(w)
+
+
+def _a_write_that_outlives_the_engine_timeout(w: World) -> None:
+    room = _asked_room(w)
+    checked(w, lambda: w.send_kv(room, "P0", 2.5))
+    assert len(w.fabric.pending()) >= 1
+    checked(w, lambda: w.advance(ENGINE_TIMEOUT + 0.5))  # the engine's timeout passes: the write still runs
+    for _ in range(8):  # the calls' own bounds, the drain acknowledgements and the settles they ask for
+        checked(w, lambda: w.advance(LANDING_GRACE + 0.5))
+    w.finish()
+
+
+def test_a_write_that_outlives_the_engine_timeout_pins_its_pages() -> None:
+    """The write is doomed (the room fails at once) and still in flight: no side releases its pages before it
+    ends; ``finish`` then completes it late and everything is released."""
+    with world() as w:
+        _a_write_that_outlives_the_engine_timeout(w)
+
+
+def test_the_checks_catch_a_timeout_taken_for_an_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: an adapter that answers FAILED once the engine's timeout passed (what the Mooncake
+    adapter did with ``get_batch_transfer_status``'s -1 and ``transfer_check_status``'s -2) lets the prefill
+    drain and the decode release pages the write still lands in: invariant (a)."""
+    from tests.fake_engine import FakeEngine
+
+    check = FakeEngine.check
+
+    def timeout_is_an_end(self: FakeEngine, handle: Any) -> Any:
+        status = check(self, handle)
+        if handle.doomed is not None and not handle.consumed:
+            return handle.finish(EngineStatus.FAILED, handle.doomed)
+        return status
+
+    monkeypatch.setattr(FakeEngine, "check", timeout_is_an_end)
+    with world() as w, pytest.raises(Violation, match=r"\(a\) write .* is live over decode page"):
+        _a_write_that_outlives_the_engine_timeout(w)
+
+
+def _a_write_while_a_handshake_hangs(w: World) -> None:
+    """A stage writes a room while another stage's engine handshake (a decode registering with it) holds the
+    engine's mutex: the handshake runs on a thread of its own, as on that stage's driver."""
+    import threading
+
+    room = _asked_room(w)
+    checked(w, lambda: w.hang_handshakes(True))
+    p1, d = w.nodes["P1"].mgr.engine, w.nodes["D"].mgr.engine
+    handshake = threading.Thread(target=p1.connect, args=(d.session_id, b"", 0), daemon=True)
+    handshake.start()
+    try:
+        for _ in range(500):
+            if w.fabric.handshakes:
+                break
+            time.sleep(0.002)
+        checked(w, lambda: w.send_kv(room, "P0", 2.5))
+    finally:
+        w.hang_handshakes(False)
+        handshake.join(5)
+    checked(w)
+
+
+def test_a_write_made_while_a_handshake_hangs_never_waits_on_the_loop() -> None:
+    """The write goes to the driver, which waits for the handshake; invariant (f) holds."""
+    with world() as w:
+        _a_write_while_a_handshake_hangs(w)
+        p0 = w.nodes["P0"].mgr.engine.session_id
+        assert any(wr.src == p0 for wr in w.fabric.writes), "the stage wrote the room"
+        assert not w.fabric.loop_waits
+        w.finish()
+
+
+def test_the_checks_catch_a_loop_that_waits_on_the_engine_mutex(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: with the gate removed (writes always posted from the loop), the same write waits on
+    the mutex the hanging handshake holds, on the loop: invariant (f)."""
+    from tests.fake_engine import FakeEngine
+
+    monkeypatch.setattr(FakeEngine, "try_submit_inline", FakeEngine.submit_write)
+    with world() as w, pytest.raises(Violation, match=r"\(f\) the event loop waited on the engine mutex"):
+        _a_write_while_a_handshake_hangs(w)
 
 
 def test_the_checks_catch_a_drain_acknowledgement_that_never_comes(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -47,6 +47,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiotransfer.engines._common import LoopGate
 from aiotransfer.engines.base import EngineBase, EngineStatus, EngineTraits, MemoryRegion, TransferHandle
 from aiotransfer.errors import EngineError
 from aiotransfer.plan import Blocks
@@ -127,11 +128,8 @@ class Fabric:
         """The event loop's thread id: a submit there must never wait for :attr:`mutex`."""
         self.loop_waits: list[str] = []
         """Submits made on the event loop while a handshake held the mutex (each would have blocked it)."""
-        self.handshakes = 0
-        """Handshakes in progress or about to start: the gate ``try_submit_inline`` honours."""
-        self.posting = 0
-        """Submits from the event loop inside the engine now (a handshake waits for them to leave)."""
-        self._gate = threading.Condition()
+        self.gate = LoopGate()
+        """The gate ``try_submit_inline`` honours (the Mooncake adapter's own)."""
         self._hang = threading.Event()
         self._hang.set()
         self._ids = itertools.count()
@@ -224,28 +222,13 @@ class Fabric:
     def handshake(self) -> None:
         """The engine's handshake: the gate closed to the loop's submits, then under the mutex for as long as
         the test keeps it hanging (as the Mooncake adapter's gate and the engine's mutex do)."""
-        with self._gate:
-            self.handshakes += 1
-            self._gate.wait_for(lambda: self.posting == 0)
-        try:
-            with self.mutex:
-                self._hang.wait()
-        finally:
-            with self._gate:
-                self.handshakes -= 1
+        with self.gate.handshake(), self.mutex:
+            self._hang.wait()
 
-    def enter(self) -> bool:
-        """A submit from the loop may go in: no handshake is in progress."""
-        with self._gate:
-            if self.handshakes:
-                return False
-            self.posting += 1
-            return True
-
-    def leave(self) -> None:
-        with self._gate:
-            self.posting -= 1
-            self._gate.notify_all()
+    @property
+    def handshakes(self) -> int:
+        """Handshakes in progress or about to start."""
+        return self.gate.handshakes
 
     def take_mutex(self, what: str) -> None:
         if self.mutex.acquire(blocking=False):
@@ -311,12 +294,12 @@ class FakeEngine(EngineBase):
         self._connected.add(peer)
 
     def try_submit_inline(self, peer: str, blocks: Blocks) -> TransferHandle | None:
-        if peer not in self._connected or not self.fabric.enter():
+        if peer not in self._connected or not self.fabric.gate.enter():
             return None  # the gate: a handshake may hold the engine mutex
         try:
             return self.submit_write(peer, blocks)
         finally:
-            self.fabric.leave()
+            self.fabric.gate.leave()
 
     def submit_write(self, peer: str, blocks: Blocks) -> TransferHandle:
         if self.closed:

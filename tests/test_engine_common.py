@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from aiotransfer.config import TransferConfig
 from aiotransfer.engines import mooncake as mc
-from aiotransfer.engines._common import RegionIndex, map_errors, quietly
+from aiotransfer.engines._common import LoopGate, RegionIndex, map_errors, quietly
 from aiotransfer.engines.base import EngineBase, EngineStatus, EngineTraits, TransferEngine, TransferHandle
 from aiotransfer.engines.mooncake_setup import recommended_wheels
 from aiotransfer.errors import ClosedError, ConfigError, EngineError, EngineUnavailable
@@ -319,7 +319,7 @@ class _Native:
 
 def _mooncake_over(native: _Native) -> mc.MooncakeEngine:
     engine = object.__new__(mc.MooncakeEngine)
-    engine._shared = type("Shared", (), {"native": native, "names": {}, "opened": {"peer"}, "gate": mc._Gate()})()
+    engine._shared = type("Shared", (), {"native": native, "names": {}, "opened": {"peer"}, "gate": LoopGate()})()
     return engine
 
 

@@ -51,6 +51,14 @@ class HeldEngine(EngineBase):
         return handle.finish(EngineStatus.DONE) if self.released else EngineStatus.PENDING
 
 
+async def _until(condition: Callable[[], object], seconds: float = 5.0) -> None:
+    """Poll ``condition`` every millisecond for at most ``seconds``."""
+    for _ in range(int(seconds * 1000)):
+        if condition():
+            return
+        await asyncio.sleep(0.001)
+
+
 def _one_entry(nbytes: int) -> Blocks:
     """One entry of ``nbytes``; ``-n``: ``n`` entries of 32 KiB."""
     if nbytes < 0:
@@ -64,9 +72,9 @@ async def _checks_per_handle(count: int, nbytes: int) -> tuple[float, int]:
     """Poll-loop ``check`` calls per in-flight handle during WATCH_S with ``count`` transfers of ``nbytes``,
     and the loop iterations in that time (a task that yields at every iteration counts them)."""
     engine = HeldEngine()
-    offloader = Driver("poller-test")
+    driver = Driver("poller-test")
     poller = Poller(
-        cast(TransferEngine, engine), offloader, max_in_flight=1024, max_batch=1024, interval_min=0.0001,
+        cast(TransferEngine, engine), driver, max_in_flight=1024, max_batch=1024, interval_min=0.0001,
         interval_max=0.001, expire_after=60.0,
     )
     writes = [asyncio.ensure_future(poller.write("peer", _one_entry(nbytes), timeout=10)) for _ in range(count)]
@@ -94,7 +102,7 @@ async def _checks_per_handle(count: int, nbytes: int) -> tuple[float, int]:
         return per_handle, ticks
     finally:
         await poller.aclose(1.0)
-        offloader.close()
+        driver.close()
 
 
 @pytest.mark.parametrize(
@@ -123,14 +131,14 @@ def test_spin_thresholds_are_the_documented_ones() -> None:
     assert _poller._SPIN_DEPTH == 2 and _poller._SPIN_BYTES == 1 << 20 and _poller._SPIN_ENTRIES == 16
 
 
-def _held_poller(engine: HeldEngine, offloader: Driver, max_batch: int = 1024, expire_after: float = 60.0) -> Poller:
-    return Poller(cast(TransferEngine, engine), offloader, max_in_flight=1024, max_batch=max_batch,
+def _held_poller(engine: HeldEngine, driver: Driver, max_batch: int = 1024, expire_after: float = 60.0) -> Poller:
+    return Poller(cast(TransferEngine, engine), driver, max_in_flight=1024, max_batch=max_batch,
                   interval_min=0.0001, interval_max=0.001, expire_after=expire_after)
 
 
 async def test_on_done_runs_at_completion_before_the_writer_resumes() -> None:
-    engine, offloader = HeldEngine(), Driver("poller-test")
-    poller = _held_poller(engine, offloader)
+    engine, driver = HeldEngine(), Driver("poller-test")
+    poller = _held_poller(engine, driver)
     order: list[str] = []
 
     async def writer() -> None:
@@ -148,7 +156,7 @@ async def test_on_done_runs_at_completion_before_the_writer_resumes() -> None:
         assert order == ["on_done", "resumed"]
     finally:
         await poller.aclose(1.0)
-        offloader.close()
+        driver.close()
 
 
 class LandedEngine(HeldEngine):
@@ -173,8 +181,8 @@ async def test_a_write_that_landed_at_post_completes_in_the_submitting_step(land
     """The handle is asked once right after its submission: the write, and its ``on_done`` (where Success
     leaves), end without waiting for the poll loop's next round. Without ``landed`` (the control) the writer
     suspends, and only the poll loop asks."""
-    engine, offloader = LandedEngine(landed), Driver("poller-test")
-    poller = _held_poller(engine, offloader)
+    engine, driver = LandedEngine(landed), Driver("poller-test")
+    poller = _held_poller(engine, driver)
     done: list[str] = []
     coro = poller.write("peer", _one_entry(4096), timeout=5, on_done=lambda: done.append("on_done"))
     try:
@@ -188,33 +196,30 @@ async def test_a_write_that_landed_at_post_completes_in_the_submitting_step(land
         assert done == (["on_done"] if landed else [])
         assert engine.checks == (1 if landed else 0)
         coro.close()  # the control's writer gives up; its handle stays with the poll loop until it ends
-        for _ in range(1000):
-            if poller.completed == 1:
-                break
-            await asyncio.sleep(0.001)
+        await _until(lambda: poller.completed == 1)
         assert poller.in_flight == 0 and poller.completed == 1
     finally:
         coro.close()
         await poller.aclose(1.0)
-        offloader.close()
+        driver.close()
 
 
 async def test_a_landed_write_the_engine_reports_failed_raises_at_once() -> None:
-    engine, offloader = LandedEngine(True, EngineStatus.FAILED), Driver("poller-test")
-    poller = _held_poller(engine, offloader)
+    engine, driver = LandedEngine(True, EngineStatus.FAILED), Driver("poller-test")
+    poller = _held_poller(engine, driver)
     try:
         with pytest.raises(EngineError, match="refused"):
             await poller.write("peer", _one_entry(4096), timeout=5)
         assert poller.in_flight == 0 and poller.failed == 1
     finally:
         await poller.aclose(1.0)
-        offloader.close()
+        driver.close()
 
 
 @pytest.mark.parametrize("how", ["timeout", "cancel"])
 async def test_on_done_is_not_called_once_the_writer_gave_up(how: str) -> None:
-    engine, offloader = HeldEngine(), Driver("poller-test")
-    poller = _held_poller(engine, offloader)
+    engine, driver = HeldEngine(), Driver("poller-test")
+    poller = _held_poller(engine, driver)
     calls: list[int] = []
     task = asyncio.ensure_future(
         poller.write("peer", _one_entry(4096), timeout=0.05 if how == "timeout" else 5, on_done=lambda: calls.append(1))
@@ -236,12 +241,12 @@ async def test_on_done_is_not_called_once_the_writer_gave_up(how: str) -> None:
         assert calls == [] and poller.completed == 1
     finally:
         await poller.aclose(1.0)
-        offloader.close()
+        driver.close()
 
 
 async def test_on_done_is_ignored_for_writes_split_into_several_handles() -> None:
-    engine, offloader = HeldEngine(), Driver("poller-test")
-    poller = _held_poller(engine, offloader, max_batch=1)
+    engine, driver = HeldEngine(), Driver("poller-test")
+    poller = _held_poller(engine, driver, max_batch=1)
     calls: list[int] = []
     two = Blocks(np.array([0, 8192], np.uint64), np.array([0, 8192], np.uint64), np.array([4096, 4096], np.uint64))
     engine.released = True
@@ -250,12 +255,12 @@ async def test_on_done_is_ignored_for_writes_split_into_several_handles() -> Non
         assert calls == [] and poller.completed == 2
     finally:
         await poller.aclose(1.0)
-        offloader.close()
+        driver.close()
 
 
 async def test_a_raising_on_done_still_completes_the_write(caplog: pytest.LogCaptureFixture) -> None:
-    engine, offloader = HeldEngine(), Driver("poller-test")
-    poller = _held_poller(engine, offloader)
+    engine, driver = HeldEngine(), Driver("poller-test")
+    poller = _held_poller(engine, driver)
     engine.released = True
 
     def boom() -> None:
@@ -266,7 +271,7 @@ async def test_a_raising_on_done_still_completes_the_write(caplog: pytest.LogCap
         assert poller.completed == 1 and "completion callback failed" in caplog.text
     finally:
         await poller.aclose(1.0)
-        offloader.close()
+        driver.close()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -320,10 +325,7 @@ async def test_a_doomed_write_fails_at_once_and_holds_its_memory_until_the_engin
         await asyncio.sleep(0.02)
         assert (held[0], poller.in_flight, poller.doomed, poller.overdue) == (1, 1, 1, 1)
         engine.released = True
-        for _ in range(1000):
-            if not poller.in_flight:
-                break
-            await asyncio.sleep(0.001)
+        await _until(lambda: not poller.in_flight)
         assert (held[0], poller.in_flight, poller.overdue, poller.expired, engine.abandoned) == (0, 0, 0, 0, [])
     finally:
         await poller.aclose(1.0)
@@ -339,10 +341,7 @@ async def test_a_handle_the_engine_never_ends_is_abandoned_after_the_bound() -> 
         with pytest.raises(EngineError):
             await asyncio.wait_for(poller.write("peer", _one_entry(4096), timeout=5, hold=_counted_hold(held)), 5)
         assert held[0] == 1
-        for _ in range(2000):
-            if not poller.in_flight:
-                break
-            await asyncio.sleep(0.001)
+        await _until(lambda: not poller.in_flight)
         assert (held[0], poller.in_flight, poller.expired, len(engine.abandoned)) == (0, 0, 1, 1)
     finally:
         await poller.aclose(1.0)
@@ -357,10 +356,7 @@ async def test_a_write_that_timed_out_counts_towards_the_bound_from_then() -> No
         with pytest.raises(TransferTimeout):
             await poller.write("peer", _one_entry(4096), timeout=0.01)
         assert poller.overdue == 1
-        for _ in range(2000):
-            if not poller.in_flight:
-                break
-            await asyncio.sleep(0.001)
+        await _until(lambda: not poller.in_flight)
         assert (poller.in_flight, poller.expired) == (0, 1)
     finally:
         await poller.aclose(1.0)
@@ -426,16 +422,10 @@ async def test_a_submit_abandoned_while_the_driver_posts_it_is_adopted_and_pins_
         with pytest.raises(TransferTimeout):
             await poller.write("peer", _one_entry(4096), timeout=0.01, hold=_counted_hold(held))
         assert held[0] == 1  # the submission still runs on the driver
-        for _ in range(1000):
-            if poller.in_flight:
-                break
-            await asyncio.sleep(0.001)
+        await _until(lambda: poller.in_flight)
         assert poller.in_flight == 1 and held[0] == 1  # adopted: the handle holds now
         engine.released = True
-        for _ in range(1000):
-            if not poller.in_flight:
-                break
-            await asyncio.sleep(0.001)
+        await _until(lambda: not poller.in_flight)
         assert (held[0], poller.in_flight, poller.completed) == (0, 0, 1)
     finally:
         await poller.aclose(1.0)

@@ -8,6 +8,7 @@
 * :func:`block_arrays`       -- a :class:`~aiotransfer.plan.Blocks` batch as contiguous ``uint64`` arrays
 * :class:`AgentEngine`       -- base of adapters with one native agent, a lock, peers and live handles:
                                 their ``__repr__``
+* :class:`LoopGate`          -- keeps the event loop off an engine lock that a handshake may hold
 
 Nothing here imports a vendor package.
 """
@@ -29,6 +30,7 @@ from .base import EngineBase, EngineStatus, TransferHandle
 
 __all__ = [
     "AgentEngine",
+    "LoopGate",
     "RegionIndex",
     "block_arrays",
     "map_errors",
@@ -141,3 +143,44 @@ class AgentEngine(EngineBase):
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"peers={len(self._peers)} in_flight={len(self._live)}"
         return f"<{type(self).__name__} {self.session_id} {self.transport} {state}>"
+
+
+class LoopGate:
+    """Keeps the event loop off an engine lock while a call that may hold it across network I/O runs.
+
+    Calls made from the loop (a ``try_submit_inline``) never wait: they ``enter`` only while no such call
+    (a handshake) is in progress, and are handed to the driver thread otherwise. A handshake closes the gate,
+    then waits for the loop's calls already inside the engine to ``leave`` (they hold the engine's lock only
+    briefly), before it calls the engine. The gate's own lock is held only around these counters, never
+    across an engine call. (Mooncake: the binding's engine-wide mutex, held by ``openSegment``.)"""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._left = threading.Condition(self._lock)
+        self.handshakes = 0
+        self.posting = 0
+
+    def enter(self) -> bool:
+        with self._lock:
+            if self.handshakes:
+                return False
+            self.posting += 1
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self.posting -= 1
+            if self.posting == 0:
+                self._left.notify_all()
+
+    @contextlib.contextmanager
+    def handshake(self) -> Iterator[None]:
+        with self._lock:
+            self.handshakes += 1
+            while self.posting:
+                self._left.wait()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.handshakes -= 1

@@ -67,6 +67,7 @@ import numpy as np
 from ..config import TransferConfig
 from ..errors import ConfigError, EngineError, EngineUnavailable
 from ..plan import Blocks
+from ._common import LoopGate
 from .base import EngineBase, EngineStatus, EngineTraits, MemoryRegion, TransferHandle
 from .mooncake_preflight import fetch_descriptor
 from .mooncake_setup import (
@@ -240,47 +241,6 @@ def _without_benign_init_error() -> Iterator[None]:
             log.debug("Mooncake logged its benign start-up line: %s", dropped[0].decode(errors="replace").strip())
 
 
-class _Gate:
-    """Keeps the event loop off the engine's mutex while a handshake may hold it.
-
-    Writes posted from the loop (:meth:`MooncakeEngine.try_submit_inline`) never wait: they ``enter`` only
-    while no handshake of the process is in progress, and go to the driver thread otherwise. A handshake
-    closes the gate, then waits for the loop's posts already inside the engine to leave (a few
-    microseconds: they hold the mutex only to look the peer up), before it calls the engine. The gate's
-    own lock is held only around these counters, never across an engine call."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._left = threading.Condition(self._lock)
-        self.handshakes = 0
-        self.posting = 0
-
-    def enter(self) -> bool:
-        with self._lock:
-            if self.handshakes:
-                return False
-            self.posting += 1
-            return True
-
-    def leave(self) -> None:
-        with self._lock:
-            self.posting -= 1
-            if self.posting == 0:
-                self._left.notify_all()
-
-    @contextlib.contextmanager
-    def handshake(self) -> Iterator[None]:
-        with self._lock:
-            self.handshakes += 1
-            while self.posting:
-                self._left.wait()
-        try:
-            yield
-        finally:
-            with self._lock:
-                self.handshakes -= 1
-
-
 class _SharedNative:
     """The process-wide native engine, reference counted."""
 
@@ -303,7 +263,7 @@ class _SharedNative:
         self.opened: set[str] = set()
         """Names (``names`` values) whose segment the engine has open: a write to one takes the engine's mutex
         only to look it up, never across a handshake."""
-        self.gate = _Gate()
+        self.gate = LoopGate()
         self.names: dict[str, str] = {}
         """Peer session -> the alias the engine knows a restarted peer by (see ``_handshake``)."""
         self.regions: dict[tuple[int, int], int] = {}  # (ptr, nbytes) -> refcount

@@ -205,8 +205,14 @@ class Poller:
         """Write ``blocks`` to ``peer``; returns when every entry landed, raises on failure/timeout.
 
         ``on_done``: called on the loop the moment the engine reports a write of one handle (at most
-        ``max_batch`` entries) done, before this coroutine resumes, and only while it is still waiting (not
-        after a timeout or cancellation). It must not raise or block. Ignored for larger writes.
+        ``max_batch`` entries, or the engine's ``inline_slice``) done, before this coroutine resumes, and only
+        while it is still waiting (not after a timeout or cancellation). It must not raise or block. Ignored
+        for larger writes.
+
+        A write of more entries than the engine's ``traits.inline_slice`` is posted in slices of that size,
+        each from the loop when the engine takes it there, yielding to other tasks between them: an engine
+        whose native post takes one call per entry (Mooncake) would otherwise make its driver thread take the
+        GIL back once per entry, each time behind a turn of the (busy) event loop.
 
         ``guard``: the room the write belongs to. Right before each engine submission ``guard.admit()`` is
         asked (a room that failed or was released while this write waited for planning or credit posts
@@ -226,11 +232,16 @@ class Poller:
         deadline = None if timeout is None else loop.time() + timeout
         tracked: list[tuple[TransferHandle, asyncio.Future[None]]] = []
         ok = False
-        if on_done is not None and len(blocks) > self.max_batch:
+        size = self.max_batch
+        if self.engine.traits.inline_slice:
+            size = min(size, self.engine.traits.inline_slice)
+        if on_done is not None and len(blocks) > size:
             on_done = None
         try:
             credits = self._credits_for(peer, loop)
-            for piece in split_blocks(blocks, self.max_batch):
+            for i, piece in enumerate(split_blocks(blocks, size)):
+                if i and tracked and tracked[-1][0].inline:
+                    await asyncio.sleep(0)  # the loop posted the last slice itself: let other tasks run
                 if not credits.try_acquire(len(piece)):
                     await credits.acquire(len(piece), deadline)
                 try:
@@ -316,6 +327,7 @@ class Poller:
             raise
         if fut is None:
             assert inline is not None
+            inline.inline = True
             return inline
         try:
             handle: TransferHandle = await _bounded(asyncio.shield(fut), deadline, "engine submit")

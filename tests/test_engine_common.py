@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 def test_trait_defaults_live_in_one_place() -> None:
     assert EngineTraits() == EngineTraits(
-        quiet_threads=False, entry_cost_s=30e-6, bandwidth_bps=2e9, landing_grace_s=0.0
+        quiet_threads=False, entry_cost_s=30e-6, bandwidth_bps=2e9, landing_grace_s=0.0, inline_slice=0
     )
     base = EngineBase()
     assert base.traits == EngineTraits() and base.probe_region is None
@@ -60,7 +60,7 @@ def test_adapters_declare_their_traits() -> None:
     from aiotransfer.engines.mori import MoriEngine
     from aiotransfer.engines.nixl import NixlEngine
 
-    assert mc.MooncakeEngine.traits == EngineTraits(quiet_threads=True, landing_grace_s=1.0)
+    assert mc.MooncakeEngine.traits == EngineTraits(quiet_threads=True, landing_grace_s=1.0, inline_slice=64)
     assert (NixlEngine.traits.quiet_threads, NixlEngine.traits.landing_grace_s) == (False, 0.0)
     assert NixlEngine.traits.entry_cost_s < mc.MooncakeEngine.traits.entry_cost_s
     assert MoriEngine.traits == EngineTraits(entry_cost_s=5e-6, bandwidth_bps=20e9)
@@ -403,7 +403,7 @@ def test_mooncake_posts_from_the_loop_only_while_no_handshake_can_hold_the_engin
     gate = engine._shared.gate
     assert engine.try_submit_inline("peer", _blocks(2)) is not None
     assert engine.try_submit_inline("stranger", _blocks(2)) is None
-    assert engine.try_submit_inline("peer", _blocks(9)) is None
+    assert engine.try_submit_inline("peer", _blocks(mc._INLINE_ENTRIES + 1)) is None
     entered, release = threading.Event(), threading.Event()
 
     def handshake() -> None:

@@ -154,8 +154,13 @@ async def test_prefill_release_waits_for_the_handles_of_a_cancelled_send(engine:
         async with local_prefill(engine, "never") as mgr:
             tx = await ready_sender(mgr, decode, 1, pages(2000, 9))
             send = asyncio.ensure_future(tx.send_kv(pages(2000, 10), timeout=30))
-            await asyncio.sleep(0)  # the send is now posting its first batch (NIXL over shm moves all of it
-            send.cancel()  # in ~40 ms, so the cancellation comes while the engine still has the batch)
+            landed = mgr.stats()["engine_completed"]
+            for _ in range(10_000):  # until the engine has (or had) a batch: the plan is computed on a thread
+                stats = mgr.stats()
+                if stats["in_flight"] or stats["engine_completed"] > landed or send.done():
+                    break
+                await asyncio.sleep(0)
+            send.cancel()  # NIXL over shm moves all of it in ~40 ms: the engine still has batches of it
             with contextlib.suppress(asyncio.CancelledError):
                 await send
             assert tx.poll() is KVPoll.Failed

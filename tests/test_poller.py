@@ -430,3 +430,44 @@ async def test_a_submit_abandoned_while_the_driver_posts_it_is_adopted_and_pins_
     finally:
         await poller.aclose(1.0)
         driver.close()
+
+
+class SlicedEngine(HeldEngine):
+    """Takes at most four entries per post from the loop (``inline_slice``), like Mooncake's one call an entry."""
+
+    traits = EngineTraits(inline_slice=4)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.posts: list[int] = []
+        self.released = True
+
+    def try_submit_inline(self, peer: str, blocks: Blocks) -> TransferHandle | None:
+        assert len(blocks) <= 4, "a post larger than the engine's slice"
+        self.posts.append(len(blocks))
+        return self.submit_write(peer, blocks)
+
+
+async def test_a_write_larger_than_the_engines_slice_is_posted_in_slices_from_the_loop() -> None:
+    """Ten entries go as 4 + 4 + 2, each posted by the loop itself, other tasks running between the posts."""
+    engine, driver = SlicedEngine(), Driver("poller-test")
+    poller = _held_poller(engine, driver)
+    ten = Blocks(np.arange(10, dtype=np.uint64) * 4096, np.arange(10, dtype=np.uint64) * 4096,
+                 np.full(10, 4096, dtype=np.uint64))
+    seen: list[int] = []
+
+    async def ticker() -> None:
+        while True:
+            seen.append(len(engine.posts))
+            await asyncio.sleep(0)
+
+    tick = asyncio.ensure_future(ticker())
+    try:
+        await asyncio.sleep(0)
+        await asyncio.wait_for(poller.write("peer", ten, timeout=5), 5)
+        assert engine.posts == [4, 4, 2] and poller.completed == 3 and driver.queued == 0
+        assert {1, 2} <= set(seen), f"no task ran between the slices: {seen}"
+    finally:
+        tick.cancel()
+        await poller.aclose(1.0)
+        driver.close()

@@ -102,6 +102,8 @@ class TransferHandle:
     by the adapter while ``check`` still answers PENDING. The poll loop fails the write at once with this
     reason and keeps the handle, and every hold on its memory, until ``check`` answers terminally, or until
     the release quarantine has passed (then :meth:`TransferEngine.abandon`)."""
+    inline: bool = False
+    """Posted from the event loop (``try_submit_inline``), not by the driver thread (set by the poll loop)."""
     landed: bool = False
     """The engine reported the write complete when it was posted (NIXL copies inline over shared memory): the
     poll loop asks ``check`` right away instead of on its next round, so the completion and a ``Success``
@@ -154,6 +156,11 @@ class EngineTraits:
     """Cost of one transfer entry whatever its size, in seconds: a constant of the staging cost model."""
     bandwidth_bps: float = 2e9
     """Throughput of one peer connection in bytes per second: the other constant of the staging cost model."""
+    inline_slice: int = 0
+    """With a value, writes of more entries are posted in slices of this many entries, each offered to
+    ``try_submit_inline`` in turn, the loop yielding between them: for an engine whose native post is one call
+    per entry (Mooncake), where a large write handed to the driver thread would take the GIL back once per
+    entry. 0: a write is one post."""
     landing_grace_s: float = 0.0
     """How long, once the destination runs, bytes of a write the engine ended FAILED may still be applied there:
     a FAILED answer proves the source quiesced, not that nothing already sent is still in the network
@@ -162,7 +169,7 @@ class EngineTraits:
     writes failed this long after the prefill's drain acknowledgement arrives."""
 
     def __post_init__(self) -> None:
-        if self.entry_cost_s < 0 or self.bandwidth_bps <= 0 or self.landing_grace_s < 0:
+        if self.entry_cost_s < 0 or self.bandwidth_bps <= 0 or self.landing_grace_s < 0 or self.inline_slice < 0:
             raise ValueError(
                 f"invalid engine traits entry_cost_s={self.entry_cost_s} bandwidth_bps={self.bandwidth_bps} "
                 f"landing_grace_s={self.landing_grace_s}"

@@ -32,7 +32,7 @@ from .sender import KVSender as KVSender
 from .status import KVPoll as KVPoll
 from .stream import KVStream as KVStream
 
-__version__ = "0.7.0"
+__version__ = "0.8.0"
 
 __all__ = [
     # core

@@ -251,11 +251,10 @@ class Poller:
                 except BaseException:
                     credits.release(len(piece))
                     raise
-                try:
-                    handle = await self._submit(peer, piece, deadline, submitting, hold)
-                except BaseException:
-                    credits.release(len(piece))
-                    raise
+                # the credit goes back with the post: at once if it failed, when its handle ends if it was
+                # adopted (see _submit)
+                handle = await self._submit(peer, piece, deadline, submitting, hold,
+                                            functools.partial(credits.release, len(piece)))
                 _trace.recorder is None or _trace.submitted(handle, guard)
                 fut = self._track(handle, hold)
                 tracked.append((handle, fut))
@@ -314,16 +313,23 @@ class Poller:
     async def _submit(
         self, peer: str, piece: Blocks, deadline: float | None,
         submitting: Callable[[], None] | None = None, hold: Hold | None = None,
+        uncredit: Callable[[], None] | None = None,
     ) -> TransferHandle:
         """The submission's handle: posted from the loop when the engine says that cannot wait, else by the
         driver. Abandoned (timeout, cancellation) while the driver still posts it: the handle it produces is
-        adopted and polled to its end, and ``submitting`` is given back only after that."""
+        adopted and polled to its end, and ``submitting`` is given back only after that.
+
+        ``uncredit`` gives the submission's credit back; it is called once, when no handle came of it (refused
+        on the spot, or the abandoned post failed). A handle's credit goes back when it ends (``_finish``): the
+        entries of a post still on the driver stay counted, so the engine never holds more than the cap."""
         try:
             inline = self.engine.try_submit_inline(peer, piece)
             fut = self.driver.call(self.engine.submit_write, peer, piece) if inline is None else None
         except BaseException:
             if submitting is not None:
                 submitting()  # refused on the spot: nothing was posted
+            if uncredit is not None:
+                uncredit()
             raise
         if fut is None:
             assert inline is not None
@@ -333,17 +339,21 @@ class Poller:
             handle: TransferHandle = await _bounded(asyncio.shield(fut), deadline, "engine submit")
             return handle
         except BaseException:
-            # Abandoned: if the post still produces a handle, adopt it so it is polled to its end.
-            fut.add_done_callback(lambda f: self._adopt(f, submitting, hold))
+            # Abandoned (or the post failed): if the post still produces a handle, adopt it so it is polled to
+            # its end; if it does not, its credit goes back then.
+            fut.add_done_callback(lambda f: self._adopt(f, submitting, hold, uncredit))
             raise
 
     def _adopt(
-        self, f: asyncio.Future[TransferHandle], submitting: Callable[[], None] | None, hold: Hold | None
+        self, f: asyncio.Future[TransferHandle], submitting: Callable[[], None] | None, hold: Hold | None,
+        uncredit: Callable[[], None] | None = None,
     ) -> None:
         handle = None if f.cancelled() or f.exception() is not None else f.result()
         if handle is not None:
             self._track(handle, hold).add_done_callback(_swallow)
             self._given_up.setdefault(handle, asyncio.get_running_loop().time())
+        elif uncredit is not None:
+            uncredit()  # nothing was posted after all
         if submitting is not None:
             submitting()  # after the handle took its own hold
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .control.messages import MAX_BUFFERS, MAX_STATE_KINDS
 from .convert import PageGeometry, page_geometry
 from .errors import InvalidArgument
 
@@ -87,6 +88,9 @@ def _resolve_list(
             raise InvalidArgument(f"{what}: {len(buffers)} buffers but {len(lens)} item lengths")
     if layer_ids is not None and len(layer_ids) != len(buffers):
         raise InvalidArgument(f"{what}: {len(buffers)} buffers but {len(layer_ids)} layer ids")
+    if len(buffers) > MAX_BUFFERS:
+        raise InvalidArgument(f"{what}: at most {MAX_BUFFERS} buffers (a peer refuses a registration with more), "
+                              f"got {len(buffers)}")
     return [
         resolve_buffer(b, n, what=f"{what}[{i}]", layer_id=-1 if layer_ids is None else int(layer_ids[i]))
         for i, (b, n) in enumerate(zip(buffers, lens, strict=True))
@@ -152,6 +156,8 @@ class KVArgs:
             raise InvalidArgument(f"unknown head_order {self.head_order!r}: NHD (token-major) or HND (head-major)")
         if self.kv_heads and self.total_kv_heads and self.kv_heads > self.total_kv_heads:
             raise InvalidArgument("kv_heads exceeds total_kv_heads")
+        if len(self.state_buffers) > MAX_STATE_KINDS:
+            raise InvalidArgument(f"at most {MAX_STATE_KINDS} state kinds, got {len(self.state_buffers)}")
         self.kv: list[Buffer] = _resolve_list(self.kv_buffers, self.kv_item_lens, "kv", self.kv_layer_ids)
         self.aux: list[Buffer] = _resolve_list(self.aux_buffers, self.aux_item_lens, "aux")
         self.state: dict[str, list[Buffer]] = {

@@ -95,10 +95,17 @@ class TransferConfig:
     max_rooms: int = 65536
     """Rooms tracked at once per manager; beyond that new senders/receivers wait or fail."""
     max_sockets: int = 512
-    """Outbound control sockets cached per manager (least recently used are closed)."""
-    max_message_bytes: int = 64 * 1024 * 1024
+    """Outbound control sockets cached per manager; the least recently used is evicted and closed once what it
+    queued had ``RETIRE_S`` (5 s) to leave, so at most twice this many are open."""
+    max_message_bytes: int = 16 * 1024 * 1024
     """Largest control message accepted, all its frames together: a bigger one is discarded while it is read,
-    before it is assembled (see docs/security.md for what ZeroMQ itself buffers)."""
+    before it is assembled (see docs/security.md for what ZeroMQ itself buffers). Sized from the largest
+    message a peer sends within the per-field bounds of ``aiotransfer.control.messages``: a transfer
+    request for a room of ``MAX_ROOM_PAGES`` (1 Mi) pages is 4 MiB of page indices, plus up to 5 MiB for each
+    state kind indexed by page (at most 5 bytes per index), 14 MiB with two such kinds; a registration
+    (``Hello``) with every buffer list at ``MAX_BUFFERS`` is about 0.7 MiB plus its engine info (at most
+    8 MiB); a TCP aux slot (``AuxData``) at most 4 MiB; a topology of ``MAX_RANKS`` ranks about 4.3 MiB.
+    Raise it only with rooms that name more state indices than that."""
     max_peers: int = 4096
     """Peers whose liveness (last sign of life, blacklisting, incarnation) is tracked at once; only peers a
     room of this manager depends on are tracked, and the least recently needed is forgotten first. Also the
@@ -108,6 +115,30 @@ class TransferConfig:
     """Transfer requests stashed for one room whose sender does not exist yet (one per decode rank)."""
     max_pending_bytes: int = 256 * 1024 * 1024
     """Bytes of page indices stashed for rooms whose sender does not exist yet, all rooms together."""
+    max_pending_per_peer: int = 4096
+    """Transfer requests from one decode rank held before they can be served, all rooms together: stashed for
+    rooms whose sender does not exist yet, or waiting for that rank's registration to be checked. A decode rank
+    asks once per room it runs with this prefill, and a request waits here only until the prefill's scheduler
+    opens the room: at most the requests that rank has running or pre-allocated (hundreds in vLLM's and
+    SGLang's decode batches). 4,096 leaves ample margin over that and keeps one rank (or a host sending in
+    its name) from filling the stash that ``max_rooms`` bounds for every rank. A request beyond it is refused,
+    and its decode rank fails the room with the reason (``pending_refused``)."""
+    max_staging_requests_per_room: int = 64
+    """Decode side: staging requests of one room from one prefill rank held at once, waiting for space in our
+    arena or granted and not yet used. A prefill rank asks for a piece only while it holds a slice of its own
+    arena for it, and every piece but a call's last is at least half of ``min(its arena / 4, ours / 4,
+    8 MiB)`` (``StagingWriter``, ``piece_pages``): one room holds at most ``max(8, 8 x its arena / ours,
+    its arena / 4 MiB)`` slices, plus its last piece and the pieces whose ``Staged`` is on its way. With both
+    arenas at the default 64 MiB that is 17 or so; 64 covers a prefill arena up to 240 MiB, and up to 7.5
+    times ours. A request beyond it is refused at once with the reason (``dropped_staging-over-cap``): the
+    piece's room fails on the prefill."""
+    max_staging_requests_per_peer: int = 1024
+    """Decode side: staging requests held at once from one prefill rank, all its rooms together (as
+    ``max_staging_requests_per_room``). Its pieces in flight share its one arena, so their number is bounded by
+    that arena over the smallest piece, a room's last (a page, or a few tokens): 1,024 covers the default
+    64 MiB shared out in pieces of 64 KiB, many small rooms each sending its last piece at once. A request
+    held costs about 3 KiB (a task waiting for space, bounded by ``transfer_timeout``): about 3 MiB per prefill
+    rank. A request beyond it is refused at once with the reason (``dropped_staging-over-cap``)."""
     executor_threads: int = 2
     """Threads of the engine's offload executor; more spinning threads are slower on small hosts."""
     engine_threads: str = "normal"
@@ -173,10 +204,12 @@ class TransferConfig:
 
     hmac_key: bytes | None = None
     """Shared secret: when set, every control message is signed and verified."""
-    control_curve: bool = False
-    """With ``hmac_key``: also authenticate (and encrypt) every control connection with CurveZMQ keys derived
-    from the secret, so that a host without it cannot complete a handshake and gets no frame buffered at all
-    (see docs/security.md). Every manager that talks to this one must set it too."""
+    control_curve: bool | None = None
+    """Authenticate (and encrypt) every control connection with CurveZMQ keys derived from ``hmac_key``, so
+    that a host without the secret cannot complete a handshake and gets no frame buffered at all (see
+    docs/security.md). ``None`` (the default): on whenever ``hmac_key`` is set. Every manager that talks to
+    this one must agree: ``False`` only to talk to managers that do not use it (earlier versions signed
+    without it), at the price of what a host without the key can then make ZeroMQ buffer."""
 
     def __post_init__(self) -> None:
         if not self.engine:
@@ -199,11 +232,20 @@ class TransferConfig:
             "max_peers",
             "max_pending_per_room",
             "max_pending_bytes",
+            "max_pending_per_peer",
+            "max_staging_requests_per_room",
+            "max_staging_requests_per_peer",
             "executor_threads",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_staging_requests_per_room > self.max_staging_requests_per_peer:
+            raise ConfigError(
+                f"max_staging_requests_per_room ({self.max_staging_requests_per_room}) must not exceed "
+                f"max_staging_requests_per_peer ({self.max_staging_requests_per_peer}): a room's pieces are its "
+                "prefill rank's too"
+            )
         if self.max_batch_entries > self.max_entries_in_flight:
             object.__setattr__(self, "max_batch_entries", self.max_entries_in_flight)
         if self.engine_timeout_s is not None and self.engine_timeout_s < 5:

@@ -50,6 +50,7 @@ from .control.messages import (
     TopologyQuery,
     TransferRequest,
 )
+from .control.rendezvous import Rendezvous
 from .engines.base import TransferEngine
 from .engines.registry import create_engine
 from .errors import AiotransferError, ClosedError, InvalidArgument
@@ -109,9 +110,11 @@ class KVManager:
         self._client = PrefillClient(ctx)
         self._decode = DecodeSide(ctx, self._receivers, self._life.rx, self._client.forget)
         self._leader = BootstrapLeader(ctx)
+        self._round_trips: Rendezvous[int, Pong] = Rendezvous()
+        """Pings whose answer someone waits for, by nonce (see :meth:`_on_peer_restart`)."""
         p, c, d = self._prefill, self._client, self._decode
         self._handlers: dict[type[Any], Callable[[Any], None]] = {
-            Ping: self._on_ping, Pong: lambda m: self._liveness.incarnation(m.endpoint, m.incarnation),
+            Ping: self._on_ping, Pong: self._on_pong,
             Hello: p.on_hello, HelloAck: c.on_hello_ack, TransferRequest: p.on_request, Abort: self._on_abort,
             Status: d.on_status, AuxData: d.on_aux,
             TopologyQuery: self._leader.on_query, Topology: c.on_topology, RankRegister: self._leader.on_register,
@@ -228,7 +231,8 @@ class KVManager:
                                        max_message_bytes=cfg.max_message_bytes)
             return cast(ControlPlane, plane)  # duck-typed: the same interface as ControlPlane
         return ControlPlane(cfg.hostname, cfg.control_port, self._dispatch, max_sockets=cfg.max_sockets,
-                            max_message_bytes=cfg.max_message_bytes, hmac_key=cfg.hmac_key, curve=cfg.control_curve)
+                            max_message_bytes=cfg.max_message_bytes, hmac_key=cfg.hmac_key, curve=cfg.control_curve,
+                            incarnation=ctx.generation, on_stranger=self._prefill.on_stranger)
 
     async def __aenter__(self) -> KVManager:
         return await self.start()
@@ -293,6 +297,7 @@ class KVManager:
             "open_sockets": c.open_sockets if c else 0,
             "dead_peers": len(self._liveness.dead),
             "staging_bytes_in_use": arena.in_use if arena is not None else 0,
+            "staging_requests_held": self._grantor.held,
             **self._life.stats(sum(b.item_len for b in self.args.kv), open_pages),
             **dict(ctx.counters),
             **ctx.metrics.snapshot(),
@@ -312,13 +317,24 @@ class KVManager:
         return int(room)
 
     def _check_capacity(self, room: int, rooms: dict[int, Any], what: str) -> None:
-        if room in rooms:
-            raise InvalidArgument(f"duplicate room {room}: a {what} for it is still active")
+        """A room number is unique on each side while it holds anything: refused while a room of that number is
+        open, has ended without releasing its pages, or (prefill) failed here within its tombstone."""
+        prefill = what == "sender"
+        held = (f"a {what} for it is still active" if room in rooms else
+                self._life.holding(room, prefill=prefill) or (self._prefill.reused(room) if prefill else None))
+        if held is not None:
+            self.counters["rooms_refused_in_use"] += 1
+            raise InvalidArgument(f"duplicate room {room}: {held}")
         if len(rooms) >= self.config.max_rooms:
             raise InvalidArgument(f"too many active rooms ({self.config.max_rooms}); raise max_rooms")
 
     def sender(self, room: int) -> KVSender:
-        """Create the prefill side of ``room`` (Bootstrapping until decode's metadata arrives)."""
+        """Create the prefill side of ``room`` (Bootstrapping until decode's metadata arrives).
+
+        A room number names one request until its pages are released: :class:`InvalidArgument`, naming the
+        state, while a sender of that number is open, has ended and still holds its pages, or failed here less
+        than ``tombstone_ttl`` ago (``stats()['rooms_refused_in_use']``). A room its decode aborted before this
+        call opens and fails at once with the decode's reason."""
         self._ctx.check_open()
         room = self._check_room(room)
         self._check_capacity(room, self._senders, "sender")
@@ -330,7 +346,12 @@ class KVManager:
     def receiver(self, room: int, peer: str, *, prefill_dp_rank: int | None = None) -> KVReceiver:
         """Create the decode side of ``room``, pulling from the prefill deployment whose bootstrap leader
         (or single rank) is at ``peer`` (``host:port``). ``prefill_dp_rank`` picks the attention-DP group
-        (default ``room % dp_size``)."""
+        (default ``room % dp_size``).
+
+        A room number names one request until its pages are released: :class:`InvalidArgument`, naming the
+        state, while a receiver of that number is open, or has ended and awaits its drain acknowledgement, is
+        quarantined or still copies into its pages (``stats()['rooms_refused_in_use']``). Await
+        ``rx.released()`` of a failed room before opening its number again."""
         self._ctx.check_open()
         room = self._check_room(room)
         try:
@@ -389,11 +410,12 @@ class KVManager:
             peers.update(rx.prefill_endpoints)
         return peers
 
-    async def _ping(self, endpoint: str) -> None:
+    async def _ping(self, endpoint: str, nonce: int | None = None) -> None:
         control = self._ctx.control_or_none
         if control is None:
             return
-        msg = Ping(endpoint=self.endpoint, nonce=secrets.randbits(32), incarnation=self.generation)
+        nonce = secrets.randbits(32) if nonce is None else nonce
+        msg = Ping(endpoint=self.endpoint, nonce=nonce, incarnation=self.generation)
         with contextlib.suppress(AiotransferError):
             await control.send(endpoint, msg, timeout=0.05)
 
@@ -415,12 +437,37 @@ class KVManager:
         self._events.publish(PeerEvent("dead", endpoint, tuple(rooms), reason))
 
     def _on_peer_restart(self, endpoint: str) -> None:
+        """``endpoint`` answered with a new incarnation. Our rooms its old process served fail; a decode room
+        whose request reached the new process is not one of them: that process refuses it (it does not know
+        our registration) and the room registers again and resends it (:meth:`KVReceiver.ask_again`)."""
         self.counters["peer_restarts"] += 1
         reason = f"peer {endpoint} restarted; its earlier state is gone"
-        rooms = self._fail_rooms_with(endpoint, reason)
+        rooms = [tx.room for tx in list(self._senders.values())
+                 if endpoint in tx.decode_endpoints and tx.update(KVPoll.Failed, reason)]
         self._client.forget(endpoint)
         self._life.peer_gone(endpoint, "peer-restarted")  # its old process, and what it posted, is gone
+        self._ctx.spawn(self._fail_after_round_trip(endpoint, reason, rooms), "peer-restarted")
+
+    async def _fail_after_round_trip(self, endpoint: str, reason: str, rooms: list[int]) -> None:
+        """One ping to the new process first: it answers each message in the order they came, so by its answer
+        every request of ours it got has been refused and is being sent again. A decode room whose request is
+        still bound to a registration other than the current one went to the old process: it fails."""
+        nonce = secrets.randbits(32)
+        with self._round_trips.expect(nonce) as fut:
+            await self._ping(endpoint, nonce)
+            await self._round_trips.wait(fut, self.config.peer_timeout)
+        current = self._client.peers.get(endpoint)
+        generation = current.ack.generation if current is not None else None
+        for rx in list(self._receivers.values()):
+            sent_with = rx.request_generation(endpoint)
+            if sent_with is not None and sent_with != generation and rx.update(KVPoll.Failed, reason):
+                rooms.append(rx.room)
+                rx.on_drained(endpoint, "peer-restarted")  # only the old process, gone now, could write there
         self._events.publish(PeerEvent("restarted", endpoint, tuple(rooms), reason))
+
+    def _on_pong(self, msg: Pong) -> None:
+        self._liveness.incarnation(msg.endpoint, msg.incarnation)
+        self._round_trips.resolve(msg.nonce, msg)
 
     # -- events ---------------------------------------------------------------------------------
     def add_peer_listener(self, callback: Callable[[PeerEvent], None]) -> Callable[[], None]:

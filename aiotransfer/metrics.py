@@ -92,7 +92,7 @@ class Metrics:
 _GAUGES = frozenset({
     "senders_active", "receivers_active", "in_flight", "pinned_bytes", "open_sockets", "decode_peers",
     "prefill_peers", "pending_requests", "dead_peers", "staging_bytes_in_use", "rooms_awaiting_release",
-    "engine_holds_pending",
+    "engine_holds_pending", "staging_requests_held",
 })
 """Stats that are a current level (exported as gauges); ``pages_*`` and ``bytes_*`` are too."""
 

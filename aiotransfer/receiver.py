@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from . import _trace
@@ -15,7 +17,8 @@ from ._kv.context import RankContext, annotate, validate_state_indices
 from ._kv.ledger import Ledger
 from ._kv.notify import Notifier
 from ._kv.room import RoomSide, decode_reason
-from .errors import InvalidArgument, PeerError, TransferFailed, TransferTimeout
+from .control.messages import MAX_ROOM_PAGES
+from .errors import AiotransferError, InvalidArgument, PeerError, TransferFailed, TransferTimeout
 from .plan import as_index_array, bounds, check_range, check_unique
 from .status import KVPoll
 
@@ -61,6 +64,8 @@ class KVReceiver(RoomSide):
         """``send_metadata`` is resolving where to ask: a failure meanwhile waits for it to decide."""
         self._told: set[str] = set()
         """Prefill ranks the abort of this room went to."""
+        self._asking_again: set[str] = set()
+        """Prefill ranks that did not take our request (a restarted process): registering and resending."""
         self.aux_index: int | None = None
         self.state_indices: dict[str, list[int]] = {}
         self.aux_path: str | None = None
@@ -106,8 +111,9 @@ class KVReceiver(RoomSide):
 
         ``num_tokens``: the tokens the room holds, its last page possibly part full (default: every page
         full). Give it when the prefill's page size differs from ours: the prefill sends exactly the pages
-        that hold these tokens. Validated here before anything is sent: indices in range and unique, the
-        pages exactly those ``num_tokens`` need, aux slot in range.
+        that hold these tokens. Validated here before anything is sent: indices in range and unique (at most
+        ``MAX_ROOM_PAGES``, 1 Mi, pages and as many state indices per kind), the pages exactly those
+        ``num_tokens`` need, aux slot in range.
         The first call to a peer also registers this rank's buffers with it (bounded handshake);
         ``timeout`` bounds the whole call.
         """
@@ -122,6 +128,8 @@ class KVReceiver(RoomSide):
         check_unique(pages, what="kv_indices")
         if pages.size and bounds(pages)[1] >= 2**31:
             raise InvalidArgument("kv_indices must fit in int32")
+        if pages.size > MAX_ROOM_PAGES:
+            raise InvalidArgument(f"a room names at most {MAX_ROOM_PAGES} pages, got {pages.size}")
         if num_tokens is not None:
             size = ctx.args.page_size
             if num_tokens < 0 or -(-num_tokens // size) != pages.size:
@@ -136,6 +144,8 @@ class KVReceiver(RoomSide):
             if not 0 <= aux_index < slots:
                 raise InvalidArgument(f"aux_index {aux_index} out of range [0, {slots})")
         states = validate_state_indices(ctx.args, state_indices or {})
+        if any(len(idx) > MAX_ROOM_PAGES for idx in states.values()):
+            raise InvalidArgument(f"a room names at most {MAX_ROOM_PAGES} state indices of one kind")
         deadline = Deadline(ctx.config.handshake_timeout if timeout is None else timeout)
         self._sent = True
         self._pages = pages
@@ -218,6 +228,54 @@ class KVReceiver(RoomSide):
             self._client.known_ranks(self.peer) or [self.peer])
         self._told.update(targets)
         return targets
+
+    # -- a prefill process that did not take our request ----------------------------------------------
+    def ask_again(self, endpoint: str, generation: int, forget: Callable[[str], None]) -> bool:
+        """The prefill rank at ``endpoint`` refused our request, sent with registration ``generation``, because
+        it does not hold that registration (it restarted on the same endpoint, or forgot us): it took nothing
+        of the room. Register again and resend, bounded by ``handshake_timeout``; the room fails with the
+        reason if that fails. ``forget`` drops a stale registration. False when no request of this room went
+        there with that registration."""
+        route, ctx = self._route, self._ctx
+        if route is None or self._status.is_terminal or ctx.closed or not ctx.started:
+            return False
+        if not any(ep == endpoint and req.generation == generation for ep, req in route.requests):
+            return False
+        if endpoint not in self._asking_again:
+            self._asking_again.add(endpoint)
+            stale = self._client.peers.get(endpoint)
+            if stale is not None and stale.ack.generation == generation:
+                forget(endpoint)  # a registration made since (another room's resend) is kept
+            ctx.spawn(self._send_again(endpoint), "ask-again")
+        return True
+
+    def request_generation(self, endpoint: str) -> int | None:
+        """The registration generation our request to ``endpoint`` was sent with (None: not sent there, or
+        being sent again)."""
+        if self._route is None or not self._sent or endpoint in self._asking_again:
+            return None
+        return next((req.generation for ep, req in self._route.requests if ep == endpoint), None)
+
+    async def _send_again(self, endpoint: str) -> None:
+        ctx = self._ctx
+        deadline = Deadline(ctx.config.handshake_timeout)
+        try:
+            peer = await self._client.register(endpoint, deadline)
+            route = self._route
+            if route is None or self._failed():
+                return
+            requests = [(ep, msgspec.structs.replace(req, generation=peer.ack.generation) if ep == endpoint else req)
+                        for ep, req in route.requests]
+            self._route = dataclasses.replace(route, requests=requests)
+            for ep, req in requests:
+                if ep == endpoint and not self._failed():
+                    await self._client.send_one(ep, req, deadline)
+                    ctx.counters["requests_sent_again"] += 1
+        except AiotransferError as exc:
+            self.update(KVPoll.Failed, f"prefill {endpoint} did not take our request (restarted?) and asking it again "
+                                       f"failed: {exc}")
+        finally:
+            self._asking_again.discard(endpoint)
 
     # -- page lifecycle ---------------------------------------------------------------------------
     def _changed(self, status: KVPoll) -> None:

@@ -219,6 +219,9 @@ class KVSender(RoomSide):
             )
         if peer.endpoint in self._dsts:
             return f"duplicate transfer request for room {self.room} from {peer.endpoint}"
+        if len(self._dsts) >= self._required:  # another decode naming the room gets no copy of it
+            return (f"room {self.room} already has the {self._required} decode rank(s) it was asked for; "
+                    f"a further request from {peer.endpoint} is refused")
         units = 0
         if not req.is_dummy:
             size = _room_size(self._ctx.args.page_size, peer, req, kv_indices)

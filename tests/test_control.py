@@ -10,7 +10,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from aiotransfer import KVArgs, KVManager, KVPoll, TransferConfig, TransferFailed
+from aiotransfer import KVArgs, KVManager, KVPoll, TransferConfig
 from aiotransfer._kv.client import Route
 from aiotransfer.control.messages import (
     PROTOCOL_VERSION,
@@ -144,17 +144,23 @@ async def test_incompatible_peer_is_refused_at_registration(prefill: KVManager, 
         await peer.close()
 
 
-async def test_unregistered_requester_is_refused(prefill: KVManager, engine: str) -> None:
+async def test_a_request_naming_a_registration_the_prefill_does_not_hold_takes_nothing(
+        prefill: KVManager, engine: str) -> None:
+    """The prefill answers "register again" and leaves its room alone; a decode room that never sent such a
+    request (no request of it names that registration) ignores the answer, and counts it."""
     cfg = TransferConfig(engine=engine)
     dst = [np.zeros((GEOMETRY["pages"], GEOMETRY["item_len"]), np.uint8) for _ in range(GEOMETRY["buffers"])]
     async with KVManager(KVArgs(dst, page_size=16, dtype="uint8"), cfg) as dec:
+        tx = prefill.sender(6)
         rx = dec.receiver(6, prefill.endpoint)
         # skip registration: a raw request straight to the prefill
         req = TransferRequest(room=6, endpoint=dec.endpoint, generation=1, kv_indices=pack_indices(np.arange(2)))
         rx._route = Route(sources={prefill.endpoint: 0}, endpoints=[prefill.endpoint], required=1, requests=[])
         await push(prefill.endpoint, [encode(req)])
-        with pytest.raises(TransferFailed, match="unregistered decode rank"):
-            await rx.done(timeout=5)
+        await wait_until(lambda: dec.stats().get("dropped_unexpected-register-again", 0) == 1)
+        assert prefill.stats()["requests_register_again"] == 1
+        assert tx.poll() is KVPoll.Bootstrapping and rx.poll() is KVPoll.Bootstrapping
+        await tx.abort("test over")
 
 
 async def test_hello_with_wrong_version_is_dropped(prefill: KVManager) -> None:

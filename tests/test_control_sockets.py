@@ -131,3 +131,80 @@ async def test_an_idle_control_plane_does_not_wake_the_loop() -> None:
     finally:
         await peer.aclose(0.0)
         await plane.aclose(0.0)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_an_evicted_socket_still_delivers_what_it_queued_in_order() -> None:
+    """A manager caching three outbound sockets talks to more peers than that. A peer that is slow to come up
+    (not listening yet) gets a message, its socket is evicted by the next peers, and it gets a second one:
+    once it listens it receives both, in order. So do peers whose messages were queued in a burst that
+    evicted their sockets before the connections were made. The sockets stay bounded all the while."""
+    got: dict[int, list[int]] = {}
+    cache = 3
+
+    def recorder(port: int) -> Callable[[Message], None]:
+        def handler(msg: Message) -> None:
+            assert isinstance(msg, Ping)
+            got.setdefault(port, []).append(msg.nonce)
+        return handler
+
+    sender = ControlPlane("127.0.0.1", 0, lambda _: None, max_sockets=cache, max_message_bytes=4096)
+    await sender.start()
+    late_port = _free_port()
+    late = f"tcp://127.0.0.1:{late_port}"
+    peers = [ControlPlane("127.0.0.1", 0, recorder(i), max_sockets=2, max_message_bytes=4096) for i in range(5)]
+    late_peer = ControlPlane("127.0.0.1", late_port, recorder(late_port), max_sockets=2, max_message_bytes=4096)
+    try:
+        for peer in peers:
+            await peer.start()
+        assert sender.try_send(late, Ping(endpoint=sender.endpoint, nonce=1))  # queued: nobody listens yet
+        for peer in peers:  # a burst: each send evicts a socket whose connection may not be made yet
+            assert sender.try_send(peer.endpoint, Ping(endpoint=sender.endpoint, nonce=10))
+            assert sender.open_sockets <= 2 * cache + 1
+        assert sender.evicted == 3
+        await sender.send(late, Ping(endpoint=sender.endpoint, nonce=2), timeout=5)
+        await late_peer.start()
+        deadline = time.monotonic() + 10
+        while len(got.get(late_port, [])) < 2 or sum(len(v) for k, v in got.items() if k != late_port) < 5:
+            assert time.monotonic() < deadline, f"messages lost: {got}"
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        assert got[late_port] == [1, 2]
+        assert all(got.get(i) == [10] for i in range(5)), got
+        assert sender.open_sockets <= 2 * cache + 1
+    finally:
+        for plane in [sender, late_peer, *peers]:
+            await plane.aclose(0.0)
+
+
+async def test_evicted_sockets_are_closed_once_they_had_their_time_or_too_many_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Peers that never listen: the sockets evicted from the cache stay open a bounded time to deliver what
+    they queued, and at most ``max_sockets`` of them at once (the oldest closes first), so the sockets stay
+    bounded however many peers a flood of messages names."""
+    from aiotransfer.control import endpoint
+
+    monkeypatch.setattr(endpoint, "RETIRE_S", 0.3)
+    sender = ControlPlane("127.0.0.1", 0, lambda _: None, max_sockets=3, max_message_bytes=4096)
+    await sender.start()
+    try:
+        named = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(40)]
+        for i, peer in enumerate(named):
+            assert sender.try_send(peer, Ping(endpoint=sender.endpoint, nonce=i))
+            assert sender.open_sockets <= 2 * 3 + 1
+        assert sender.evicted == 37 and sender.open_sockets == 2 * 3 + 1
+        sender.forget(named[-4])  # a peer declared gone: its evicted socket closes at once too
+        assert sender.open_sockets == 2 * 3
+        await asyncio.sleep(0.4)
+        sender.try_send(f"tcp://127.0.0.1:{_free_port()}", Ping(endpoint=sender.endpoint, nonce=99))
+        assert sender.open_sockets == 3 + 1 + 1  # the cache, the socket just evicted, the inbound one
+    finally:
+        await sender.aclose(0.0)

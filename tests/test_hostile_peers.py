@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import random
 import resource
+import socket
 import time
 import tracemalloc
 from collections.abc import AsyncIterator
@@ -42,6 +44,8 @@ from aiotransfer.control.messages import (
     RankEndpoint,
     RankRegister,
     Staged,
+    StagedAck,
+    StageGrant,
     StageRequest,
     Status,
     TransferRequest,
@@ -178,8 +182,9 @@ async def test_a_multipart_flood_is_discarded_before_it_is_assembled(bounded: bo
 async def test_a_hello_replayed_to_another_prefill_is_refused_and_its_rooms_survive() -> None:
     """A Hello that decode D sent prefill P1, captured and replayed to P2, used to be accepted: P2 took it for
     a re-registration, failed its rooms with D and then dropped D's requests as stale."""
-    async with _managers(2, hmac_key=KEY) as (p1, p2), _managers(1, hmac_key=KEY, heartbeat_interval=30.0,
-                                                                  peer_timeout=60.0) as (d,):
+    keyed: dict[str, Any] = {"hmac_key": KEY, "control_curve": False}  # raw pushes below: no curve keys
+    async with _managers(2, **keyed) as (p1, p2), _managers(1, **keyed, heartbeat_interval=30.0,
+                                                          peer_timeout=60.0) as (d,):
         sent = _tap(d)
         tx2, rx2 = await _open_room(p2, d, 2, [1, 2])
         tx1, rx1 = await _open_room(p1, d, 1, [3])  # D's Hello to P1 is now its latest message to anyone
@@ -197,7 +202,7 @@ async def test_a_hello_replayed_to_another_prefill_is_refused_and_its_rooms_surv
 
 
 async def test_a_signed_message_naming_another_sender_is_refused() -> None:
-    async with _managers(1, hmac_key=KEY) as (m,):
+    async with _managers(1, hmac_key=KEY, control_curve=False) as (m,):
         ping = Ping(endpoint="tcp://127.0.0.1:1", nonce=1)
         frames = signed_frames(KEY, encode(ping), sender="tcp://127.0.0.1:2", destination=m.endpoint,
                                counter=time.time_ns(), sent=time.time())
@@ -260,7 +265,7 @@ async def test_junk_naming_new_endpoints_grows_no_peer_table() -> None:
 async def test_drop_causes_stay_few_whatever_the_values() -> None:
     """Refused values never become counter keys: 200 protocol versions are one cause."""
     async with _managers(1) as (m,):
-        for v in range(3, 203):
+        for v in range(PROTOCOL_VERSION + 1, PROTOCOL_VERSION + 201):
             h = Hello(version=v, endpoint="tcp://127.0.0.1:9", generation=1, engine="mooncake", session_id="x",
                       engine_info=b"", probe_addr=1, compat="x", kv=[BufferSpec(v, 0, 1)])
             await push(m.endpoint, [encode(h)])
@@ -380,8 +385,14 @@ def test_negative_geometry_and_wrong_ranks_never_pass_the_codec(msg: Message) ->
 async def _fuzz(p: KVManager, p2: KVManager, d: KVManager, captured: list[bytes], seed: int) -> dict[str, int]:
     """Every kind of refused message, on real sockets; returns how many of each were sent."""
     rng = random.Random(seed)
-    attacker = ControlPlane("127.0.0.1", 0, lambda m: None, max_sockets=8, max_message_bytes=MiB, hmac_key=KEY)
+    attacker = ControlPlane("127.0.0.1", 0, lambda m: None, max_sockets=8, max_message_bytes=MiB, hmac_key=KEY,
+                            curve=False)
     await attacker.start()
+    # an insider: a manager of the deployment holding the key, which every target has heard from (a ping
+    # answered), so that what it signs names their incarnations and reaches their handlers
+    for m in (p, p2, d):
+        await attacker.send(m.endpoint, Ping(endpoint=attacker.endpoint, nonce=1), timeout=5)
+    await wait_until(lambda: attacker.received == 3)
     pusher = _Pusher()
     sent: dict[str, int] = {}
 
@@ -419,6 +430,17 @@ async def _fuzz(p: KVManager, p2: KVManager, d: KVManager, captured: list[bytes]
         for msg in _semantic(rng, attacker.endpoint, {1, 2}):  # validly signed, wrong in meaning
             target = rng.choice([p, d])
             await send("semantic", target.endpoint, attacker.frames(msg, target.endpoint))
+        for _ in range(100):  # the insider answers staging requests it was not asked, with any request id
+            room, req_id, target = rng.choice([1, 2]), rng.randrange(1, 9), rng.choice([p, p2])
+            answer: StageGrant | StagedAck = (
+                StageGrant(room=room, endpoint=attacker.endpoint, req_id=req_id, offset=rng.randrange(1 << 30),
+                           granted=True) if rng.random() < 0.5
+                else StagedAck(room=room, endpoint=attacker.endpoint, req_id=req_id, ok=True))
+            await send("insider-answer", target.endpoint, attacker.frames(answer, target.endpoint))
+        for _ in range(50):  # ... and in the name of the decode that was asked
+            grant = StageGrant(room=1, endpoint=d.endpoint, req_id=rng.randrange(1, 9), offset=0, granted=True)
+            await send("insider-as-other", p.endpoint, attacker.frames(grant, p.endpoint))
+        await _replay_to_a_successor(p, rng)
     finally:
         pusher.close()
         await attacker.aclose()
@@ -436,9 +458,53 @@ async def _sample_rss(peak: list[int]) -> None:
         await asyncio.sleep(0.005)
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _replay_to_a_successor(p: KVManager, rng: random.Random) -> None:
+    """A decode process P has heard from is replaced on its endpoint; what P signed for the old process is
+    replayed to the new one, every message several times: none reaches the new process's handler."""
+    port, got = _free_port(), list[Message]()
+    kw: dict[str, Any] = {"max_sockets": 4, "max_message_bytes": MiB, "hmac_key": KEY, "curve": False}
+    old = ControlPlane("127.0.0.1", port, lambda m: None, **kw)
+    await old.start()
+    await old.send(p.endpoint, Ping(endpoint=old.endpoint, nonce=3), timeout=5)
+    await wait_until(lambda: old.received == 1)  # P's pong: P now signs for this process's incarnation
+    me = p.endpoint
+    captured = [_plane(p).frames(msg, old.endpoint) for msg in (
+        Status(room=1, status=int(KVPoll.Success), rank=0, endpoint=me), Drained(room=1, endpoint=me),
+        Abort(room=1, endpoint=me, reason="x"), StageGrant(room=1, endpoint=me, req_id=1, offset=0, granted=True),
+        StagedAck(room=1, endpoint=me, req_id=1, ok=True), AuxData(room=1, buffer=0, index=0, data=b"x", endpoint=me),
+    )]
+    await old.aclose()
+    new = ControlPlane("127.0.0.1", port, got.append, **kw)
+    await new.start()
+    try:
+        replays = [frames for frames in captured for _ in range(rng.randrange(2, 6))]  # in the order signed
+        for frames in replays:
+            await push(new.endpoint, frames)
+        await wait_until(lambda: sum(new.dropped.values()) == len(replays))
+        # the first copy of each passes the new process's (empty) replay state and is refused as signed for the
+        # old process; the copies after it are refused as replays
+        assert not got and new.dropped["addressed to an earlier incarnation of this endpoint"] == len(captured)
+        assert new.dropped["replayed message"] == len(replays) - len(captured)
+    finally:
+        await new.aclose()
+
+
+def _page_bytes(m: KVManager) -> list[np.ndarray]:
+    """A manager's KV buffers as they are in its memory, pages by rows."""
+    return [np.ctypeslib.as_array((ctypes.c_uint8 * b.nbytes).from_address(b.ptr)).reshape(-1, b.item_len).copy()
+            for b in m.args.kv]
+
+
 def _refusals(m: KVManager) -> int:
     s = m.stats()
     counted = sum(s["control_dropped"].values()) + s.get("peers_refused", 0) + s.get("pending_refused", 0)
+    counted += s.get("requests_register_again", 0)  # answered "register again", nothing taken
     return counted + sum(v for k, v in s.items() if k.startswith("dropped_") and isinstance(v, int))
 
 
@@ -449,7 +515,7 @@ async def test_hostile_peer_fuzzer(bounded: bool) -> None:
     (signed ones naming rooms the sender has no part in included), and a legitimate transfer succeeds after.
     With the whole-message bound turned off on P and D the memory invariant must break: the fuzzer can fail."""
     t0 = time.monotonic()
-    cfg: dict[str, Any] = {"hmac_key": KEY, "max_message_bytes": MiB}
+    cfg: dict[str, Any] = {"hmac_key": KEY, "max_message_bytes": MiB, "control_curve": False}
     async with _managers(2, **cfg) as (p, p2), _managers(1, **cfg) as (d,):
         sent_by_d = _tap(d)
         tx1, rx1 = await _open_room(p, d, 1, [1, 2, 3])
@@ -490,6 +556,13 @@ async def test_hostile_peer_fuzzer(bounded: bool) -> None:
         await tx2.send_kv([13, 14])
         await rx1.done(timeout=10)
         await rx2.done(timeout=10)
+        # no byte landed outside the rooms' pages, and the rooms' pages hold what their prefill sent
+        after, wanted = _page_bytes(d), _page_bytes(d)
+        for b, (mine, src1, src2) in enumerate(zip(make_buffers(2, PAGES, ITEM, seed=1), _page_bytes(p),
+                                                   _page_bytes(p2), strict=True)):
+            wanted[b][:] = mine.reshape(PAGES, ITEM)
+            wanted[b][[1, 2, 3]], wanted[b][[4, 5]] = src1[[10, 11, 12]], src2[[13, 14]]
+        assert all(np.array_equal(a, w) for a, w in zip(after, wanted, strict=True))
 
 
 
@@ -499,6 +572,6 @@ async def test_a_request_from_a_stranger_leaves_an_open_room_alone() -> None:
         stranger = TransferRequest(room=1, endpoint="tcp://127.0.0.1:9", generation=1,
                                    kv_indices=pack_indices(np.arange(1)))
         await push(p.endpoint, [encode(stranger)])
-        await wait_until(lambda: p.stats().get("dropped_unregistered-peer", 0) == 1)
+        await wait_until(lambda: p.stats().get("requests_register_again", 0) == 1)
         await asyncio.sleep(0.1)
         assert tx.poll() is KVPoll.WaitingForInput

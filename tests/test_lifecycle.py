@@ -293,29 +293,6 @@ async def test_an_abort_before_the_metadata_reaches_the_prefill(engine: str) -> 
         await prefill.close()
 
 
-async def test_a_request_the_prefill_cannot_place_fails_both_sides_with_one_reason(engine: str) -> None:
-    """A prefill restarted on the same endpoint does not know the decode yet: the decode's request (sent
-    before it noticed) fails the room on both sides with the same reason, instead of the prefill's room
-    waiting out ``wait_ready``; the decode registers again for its next room."""
-    from aiotransfer._kv.client import Route
-    from aiotransfer.control.messages import TransferRequest, encode, pack_indices
-    from tests.zmqtools import push
-
-    bufs = make_buffers(BIG["buffers"], BIG["pages"], BIG["item_len"], seed=SEED)
-    cfg = TransferConfig(engine=engine)
-    async with KVManager(KVArgs(bufs, page_size=16, dtype="uint8"), cfg) as pre, local_decode(engine) as (dec, _):
-        tx = pre.sender(6)
-        rx = dec.receiver(6, pre.endpoint)
-        req = TransferRequest(room=6, endpoint=dec.endpoint, generation=1, kv_indices=pack_indices(np.arange(2)))
-        rx._route = Route(sources={pre.endpoint: 0}, endpoints=[pre.endpoint], required=1, requests=[])
-        await push(pre.endpoint, [encode(req)])
-        with pytest.raises(TransferFailed, match="unregistered decode rank") as on_decode:
-            await rx.done(timeout=5)
-        with pytest.raises(TransferFailed) as on_prefill:
-            await tx.done(timeout=5)
-        assert on_prefill.value.reason == on_decode.value.reason
-
-
 async def test_a_killed_prefill_leaves_no_staging_space_held_on_the_decode(engine: str) -> None:
     """Space the decode granted a prefill's staged pieces comes back once that prefill is proven gone, and
     later staged rooms (from another prefill) go through."""

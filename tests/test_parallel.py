@@ -13,7 +13,7 @@ import pytest
 from aiotransfer import KVArgs, KVManager, KVPoll, TransferConfig
 from aiotransfer.topology import held_heads
 from tests.conftest import expected_digest
-from tests.remote import RemotePeer
+from tests.remote import RemoteError, RemotePeer
 
 H, HB, PS, LAYERS, PAGES = 8, 32, 4, 2, 32
 
@@ -142,3 +142,44 @@ async def test_pp_2_to_1_pairs_layers_by_id(engine: str) -> None:
         src, dst = [0, 1, 2, 7], [8, 9, 10, 3]
         await run_room(prefill, decode, 6, src, dst)
         assert (await decode[0].call("digest", pages=dst))["digest"] == expected_digest(whole, src)
+
+
+@pytest.mark.parametrize("opened", [False, True], ids=["stashed", "open"])
+async def test_one_decode_ranks_abort_ends_the_room_on_every_rank_with_its_reason(engine: str, opened: bool) -> None:
+    """Decode TP 2 from prefill TP 1: both decode ranks ask for the room (kept until its sender opens, or
+    taken by an open sender), then rank 0 aborts. Rank 1 learns at once that the room failed, with rank 0's
+    reason, and that nothing of it can write into its pages (released as drained, not at the quarantine);
+    the prefill's sender, opened before or after, fails with the same reason. One room, one reason, both
+    sides, every rank."""
+    g = global_kv(seed=21)
+    per_rank = [KVArgs(shard(g, 0, 1), page_size=PS, dtype="uint8", kv_heads=H, total_kv_heads=H)]
+    loop = asyncio.get_running_loop()
+    async with prefill_ranks(per_rank, engine) as prefill, decode_ranks(
+        engine, 2, buffers=2 * LAYERS, pages=PAGES, item_len=PS * (H // 2) * HB, page_size=PS, kv_heads=H // 2,
+        total_kv_heads=H,
+    ) as decode:
+        pre = prefill[0]
+        tx = pre.sender(9) if opened else None
+        await asyncio.gather(*(d.call("receiver", room=9, peer=pre.endpoint, pages=[1, 2, 3]) for d in decode))
+        if tx is not None:
+            await tx.wait_ready(timeout=10)
+        else:
+            stash = pre._prefill.pending._rooms
+            for _ in range(1000):
+                if 9 in stash and len(stash[9].items) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert 9 in stash and len(stash[9].items) == 2, "both ranks' requests wait for the room's sender"
+        await decode[0].call("abort", room=9, reason="rank 0 gave up")
+        start = loop.time()
+        with pytest.raises(RemoteError) as failed:
+            await decode[1].call("done", room=9, timeout=5)
+        assert failed.value.error == "TransferFailed" and loop.time() - start < 3, failed.value
+        for d in decode:
+            assert (await d.call("released", room=9, timeout=5))["cause"] == "drained"
+        if tx is None:
+            tx = pre.sender(9)
+        assert tx.poll() is KVPoll.Failed and tx.failure_reason == "aborted by decode: rank 0 gave up"
+        for d in decode:
+            assert (await d.call("reason", room=9))["reason"] == tx.failure_reason
+        assert pre.stats()["pending_requests"] == 0

@@ -471,3 +471,133 @@ async def test_a_write_larger_than_the_engines_slice_is_posted_in_slices_from_th
         tick.cancel()
         await poller.aclose(1.0)
         driver.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Credit: every way a write can give up on its entries gives their credit back exactly once
+# ---------------------------------------------------------------------------------------------------
+
+
+class _Room:
+    """A room as the poll loop sees it (:class:`_poller.WriteGuard`); ``failed`` refuses new writes."""
+
+    def __init__(self) -> None:
+        self.failed = False
+        self.write_failures = 0
+
+    def take(self) -> Callable[[], None]:
+        return lambda: None
+
+    def admit(self) -> None:
+        if self.failed:
+            raise EngineError("room failed")
+
+    def write_failed(self) -> None:
+        self.write_failures += 1
+
+
+def _entries(n: int, base: int) -> Blocks:
+    pages = np.arange(n, dtype=np.uint64) * 4096
+    return Blocks(base + pages, (1 << 20) + pages, np.full(n, 4096, dtype=np.uint64))
+
+
+async def test_an_abandoned_write_gives_its_credit_back_exactly_once() -> None:
+    """Writes give up in every way there is, on the test fake engine (tests/fake_engine.py: submits wait behind
+    a hanging handshake on the driver, timeouts doom without ending): a write that times out while the driver
+    still posts it (the post is adopted when it comes), one cancelled there, one the engine dooms and never
+    ends (abandoned after ``expire_after``), one whose room failed before its post. Throughout, the entries
+    the engine holds never exceed the credit taken, nor the credit the cap; once all is over the credit is
+    back to zero, not below (a credit given back twice lets the next writes past the cap)."""
+    from types import SimpleNamespace
+
+    from aiotransfer.engines.base import MemoryRegion
+    from tests.fake_engine import Fabric, FakeEngine
+
+    cap = 4
+    clock = SimpleNamespace(t=0.0)
+    fabric = Fabric(lambda: float(clock.t), engine_timeout_s=5.0)
+    src, dst, other = FakeEngine(fabric), FakeEngine(fabric), FakeEngine(fabric)
+    buf = np.zeros(1 << 16, dtype=np.uint8)
+    base = int(buf.ctypes.data)
+    src.register([MemoryRegion(base, buf.nbytes)])
+    src.connect(dst.session_id, b"", 0)
+    driver = Driver("poller-credit-test")
+    poller = Poller(cast(TransferEngine, src), driver, max_in_flight=cap, max_batch=1024, interval_min=0.0001,
+                    interval_max=0.001, expire_after=0.5)
+    peer = dst.session_id
+    credits = poller._credits_for(peer, asyncio.get_running_loop())
+    seen: list[tuple[int, int]] = []  # (credit used, entries the engine holds) at every loop iteration
+    watching = True
+
+    def held() -> int:
+        return sum(len(w.entries) for w in fabric.writes if w.outcome == "pending" and not w.abandoned)
+
+    def check() -> None:
+        used, engine = credits.used, held()
+        seen.append((used, engine))
+        assert 0 <= used <= cap and engine <= used, f"credit {used} (cap {cap}) with {engine} entries in the engine"
+
+    async def watch() -> None:
+        while watching:
+            check()
+            await asyncio.sleep(0)
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        # 1. Posts that wait on the driver behind a hanging handshake: one times out, one is cancelled.
+        fabric.hang_handshakes(True)
+        shaking = driver.call(src.connect, other.session_id, b"", 0)
+        await _until(lambda: fabric.handshakes)
+        with pytest.raises(TransferTimeout):
+            await poller.write(peer, _entries(2, base), timeout=0.05)
+        cancelled = asyncio.ensure_future(poller.write(peer, _entries(2, base), timeout=10))
+        await _until(lambda: driver.queued >= 3)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        check()
+        # both posts are still coming: their credit is still taken, so a third write waits for credit
+        late = asyncio.ensure_future(poller.write(peer, _entries(2, base), timeout=10))
+        await asyncio.sleep(0.05)
+        check()
+        fabric.hang_handshakes(False)
+        await asyncio.wait_for(shaking, 5)
+        await _until(lambda: poller.in_flight == 2)  # both adopted, polled to their end
+        assert not late.done() and poller.in_flight == 2
+        for w in fabric.pending():
+            fabric.complete(w)
+        await _until(lambda: len(fabric.pending()) == 1)  # served once the adopted posts ended
+        fabric.complete(fabric.pending()[0])
+        await asyncio.wait_for(late, 5)
+        # 2. A write the engine dooms (its timeout) and never ends: it fails at once, its credit stays taken
+        # until the quarantine abandons it.
+        doomed = asyncio.ensure_future(poller.write(peer, _entries(3, base), timeout=10))
+        await _until(lambda: poller.in_flight == 1)
+        clock.t += 10.0
+        with pytest.raises(EngineError, match="engine timeout"):
+            await asyncio.wait_for(doomed, 5)
+        assert credits.used == 3
+        await _until(lambda: poller.expired == 1)
+        # 3. A write whose room failed while it waited for credit posts nothing and gives its credit back.
+        room = _Room()
+        blocker = asyncio.ensure_future(poller.write(peer, _entries(cap, base), timeout=10))
+        await _until(lambda: poller.in_flight == 1)
+        refused = asyncio.ensure_future(poller.write(peer, _entries(2, base), timeout=10, guard=room))
+        await asyncio.sleep(0.01)
+        room.failed = True
+        fabric.complete(fabric.pending()[-1])
+        await asyncio.wait_for(blocker, 5)
+        with pytest.raises(EngineError, match="room failed"):
+            await asyncio.wait_for(refused, 5)
+        await _until(lambda: not poller.in_flight and not driver.queued)
+        await asyncio.sleep(0.01)
+        check()
+        assert credits.used == 0 and held() == 0
+        assert max(used for used, _ in seen) <= cap and min(used for used, _ in seen) >= 0
+        assert (poller.completed, poller.expired) == (4, 1)
+    finally:
+        watching = False
+        await watcher
+        fabric.hang_handshakes(False)
+        await poller.aclose(1.0)
+        driver.close()

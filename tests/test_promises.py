@@ -100,6 +100,7 @@ async def test_a_late_request_for_an_aborted_room_is_refused_with_the_reason(eng
         await tx.wait_ready(timeout=10)
         await rx.abort("first try abandoned")
         await until(lambda: tx.is_released())
+        await rx.released(timeout=10)  # the decode reuses a room number only once its room let go of it
         refused_before = pre.stats().get("late_requests_refused", 0)
         again = dec.receiver(3, pre.endpoint)  # the same room asked again after it failed on the prefill
         await again.send_metadata([7, 8])

@@ -1,4 +1,7 @@
-"""Authentication, replay protection, and fuzzing of the decoder and the manager's message handler."""
+"""Authentication, replay protection, and fuzzing of the decoder and the manager's message handler.
+
+The signed managers here turn CurveZMQ off (it is on by default with a key, see ``test_curve.py``): what they
+test is the layer beneath it, the signatures that every message must carry whoever could connect."""
 
 from __future__ import annotations
 
@@ -23,12 +26,13 @@ from tests.remote import RemoteError, RemotePeer
 from tests.zmqtools import push, wait_until
 
 KEY = b"s3cret-shared-key"
+NO_CURVE = {"AIOTRANSFER_CONTROL_CURVE": "0"}
 
 
 @pytest.fixture
 async def signed_prefill(engine: str) -> AsyncIterator[KVManager]:
     bufs = make_buffers(GEOMETRY["buffers"], GEOMETRY["pages"], GEOMETRY["item_len"], seed=3)
-    async with KVManager(KVArgs(bufs, page_size=16, dtype="uint8"), TransferConfig(engine=engine, hmac_key=KEY)) as m:
+    async with KVManager(KVArgs(bufs, page_size=16, dtype="uint8"), TransferConfig(engine=engine, hmac_key=KEY, control_curve=False)) as m:
         yield m
 
 
@@ -37,7 +41,7 @@ def _dropped(m: KVManager, cause: str) -> int:
 
 
 async def test_signed_transfer_end_to_end(signed_prefill: KVManager, engine: str) -> None:
-    peer = await RemotePeer.start(engine, env={"AIOTRANSFER_HMAC_KEY": KEY.decode()}, **GEOMETRY)
+    peer = await RemotePeer.start(engine, env={"AIOTRANSFER_HMAC_KEY": KEY.decode(), **NO_CURVE}, **GEOMETRY)
     try:
         tx = signed_prefill.sender(1)
         await peer.call("receiver", room=1, peer=signed_prefill.endpoint, pages=[5, 6, 7])
@@ -52,7 +56,7 @@ async def test_signed_transfer_end_to_end(signed_prefill: KVManager, engine: str
 
 
 async def test_wrong_key_peer_is_refused_and_logged(signed_prefill: KVManager, engine: str) -> None:
-    peer = await RemotePeer.start(engine, env={"AIOTRANSFER_HMAC_KEY": "not-the-key"}, **GEOMETRY)
+    peer = await RemotePeer.start(engine, env={"AIOTRANSFER_HMAC_KEY": "not-the-key", **NO_CURVE}, **GEOMETRY)
     try:
         with pytest.raises(RemoteError, match="no registration answer"):
             await peer.call("receiver", room=2, peer=signed_prefill.endpoint, pages=[1], timeout=1.0)
@@ -67,7 +71,8 @@ async def test_unsigned_and_replayed_messages_are_dropped(signed_prefill: KVMana
     await push(signed_prefill.endpoint, [encode(ping)])
     await wait_until(lambda: _dropped(signed_prefill, "unauthenticated message") == 1)
     # a correctly signed message is accepted once; the identical bytes again are a replay
-    plane = ControlPlane("127.0.0.1", 0, lambda m: None, max_sockets=4, max_message_bytes=1 << 20, hmac_key=KEY)
+    plane = ControlPlane("127.0.0.1", 0, lambda m: None, max_sockets=4, max_message_bytes=1 << 20, hmac_key=KEY,
+                         curve=False)
     await plane.start()
     ping = Ping(endpoint=plane.endpoint, nonce=1)  # signed messages name their signed sender
     frames = plane.frames(ping, signed_prefill.endpoint)

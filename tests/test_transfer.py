@@ -273,8 +273,10 @@ async def test_wait_ready_timeout_fails_the_room(prefill: KVManager) -> None:
         await tx.wait_ready(timeout=0.2)
     assert tx.poll() is KVPoll.Failed
     assert "did not arrive" in (tx.failure_reason or "")
-    # the room id is free again
-    prefill.sender(62)
+    # the number stays taken while the room's tombstone lasts (a late request for it is refused): a second
+    # sender for it is refused with that state, not opened already failed
+    with pytest.raises(InvalidArgument, match=r"duplicate room 62: it failed here .*did not arrive.* tombstone_ttl"):
+        prefill.sender(62)
 
 
 async def test_done_timeout_aborts_prefill(prefill: KVManager, decode: RemotePeer) -> None:

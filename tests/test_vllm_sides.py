@@ -30,6 +30,7 @@ from aiotransfer.control.endpoint import normalize_endpoint
 from aiotransfer.errors import AiotransferError
 from aiotransfer.integrations.vllm._config import (
     KEY_ENDPOINT,
+    KEY_ERROR,
     KEY_ROOM,
     CacheGroups,
     ConnectorConfig,
@@ -314,6 +315,31 @@ def test_concurrent_params_are_validated_like_a_prefills_answer(params: dict[str
         RemotePrefill.parse(params)
 
 
+def test_a_room_another_request_of_the_prefill_holds_is_refused_and_never_named_to_a_decode(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Two prefill requests name the same room (a client set ``aiotransfer_room``, or sent the same
+    ``kv_transfer_params`` twice). The first holds it; the second sends nothing, and its answer names no room
+    but the reason, so its decode computes the prompt itself instead of asking for the room and being
+    written the first request's KV. Once the first's room is released, the number may name a request again."""
+    side = scheduler({"a": [1, 2], "b": [3, 4], "c": [5]})
+    first, second = (FakeRequest(i, 100, {"do_remote_decode": True, KEY_ROOM: 4242}) for i in ("a", "b"))
+    side.after_alloc(first, [1, 2], 0)
+    assert side.build_orders({"a": 100}).send == [SendJob("a", 4242, (1, 2))]
+    side.after_alloc(second, [3, 4], 0)
+    assert side.build_orders({"b": 100}).send == []
+    assert "room of request a" in caplog.text
+    delay, params = side.request_finished(second, [3, 4], completed=True)
+    assert not delay and params is not None and not RemotePrefill.wanted(params) and KEY_ROOM not in params
+    assert "room of request a" in params[KEY_ERROR]
+    assert side.counts() == {"sending": 1, "receiving": 0, "prefilling": 0}
+    delay, params = side.request_finished(first, [1, 2], completed=True)
+    assert delay and params is not None and params[KEY_ROOM] == 4242
+    side.on_worker_output(["a"], [])
+    third = FakeRequest("c", 100, {"do_remote_decode": True, KEY_ROOM: 4242})
+    side.after_alloc(third, [5], 0)
+    assert side.build_orders({"c": 100}).send == [SendJob("c", 4242, (5,))]
+
+
 def test_kv_args_take_a_state_buffer_that_is_a_kv_buffer_but_not_a_partial_overlap() -> None:
     arena = np.zeros((2, 8, 64), dtype=np.uint8)
     regions = [(int(arena[i].ctypes.data), arena[i].nbytes) for i in range(2)]
@@ -583,6 +609,35 @@ def test_an_abort_that_comes_before_the_room_opens_ends_it_at_once(engine: str) 
             counts = worker.counts()
             assert counts["aborted"] == 1 and counts[failed] == 1, counts
             assert counts["in_flight"] == 0 and counts["withheld"] == 0, counts
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_two_decode_requests_naming_one_room_get_one_load_and_one_clear_error(engine: str,
+                                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """Two decode requests name the same prefill and room at once (a client chose ``aiotransfer_room``). The
+    first loads the room; the second's room cannot open (``duplicate room``): its load fails at once with
+    that reason and its blocks are never written, so neither request gets KV meant for the other."""
+    src = make_buffers(2, PAGES, ITEM, seed=12)
+    dst = make_buffers(2, PAGES, ITEM, None)
+    prefill = prefill_worker(engine, src, lease=60.0)
+    decode = prefill_worker(engine, dst, lease=60.0)
+    try:
+        gate = hold_loop(decode)  # both jobs are ordered before either room task runs
+        decode.start_receives(Orders(recv=[RecvJob("x", 7001, str(prefill.endpoint), (5, 6)),
+                                           RecvJob("y", 7001, str(prefill.endpoint), (7, 8))]))
+        gate.set()
+        assert wait_received(decode, "y", 10) < 10
+        assert decode.take_load_errors() == {7, 8}
+        assert "request y (room 7001) failed: its room could not be opened: duplicate room 7001" in caplog.text
+        prefill.start_sends(Orders(send=[SendJob("p", 7001, (1, 2))]))
+        wait_received(decode, "x", 10)
+        assert decode.take_load_errors() == set()
+        assert digest(dst, [5, 6]) == digest(src, [1, 2])
+        assert not any(b[[7, 8]].any() for b in dst), "the refused request's blocks were written"
+        wait_sent(prefill, "p", 10)
     finally:
         decode.shutdown()
         prefill.shutdown()

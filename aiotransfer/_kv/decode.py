@@ -43,9 +43,13 @@ class DecodeSide:
 
     def on_status(self, msg: Status) -> None:
         _trace.recorder is None or _trace.mark(msg.room, "status_in")
-        if msg.status == int(KVPoll.Failed) and "unregistered decode rank" in msg.reason:
-            self._forget_prefill(msg.endpoint)  # it does not know us (restarted): register again next time
         rx = self._receivers.get(msg.room)
+        if msg.register_again and msg.status == int(KVPoll.Failed):
+            # the prefill process does not hold the registration our request named (it restarted, or forgot
+            # us): it took nothing of the room, which registers again and resends its request
+            if rx is None or not rx.ask_again(msg.endpoint, msg.generation, self._forget_prefill):
+                self._ctx.drop("unexpected-register-again", f"room {msg.room} from {msg.endpoint}")
+            return
         if rx is None:
             self._ctx.drop("unknown-room", f"status for room {msg.room}")
             return

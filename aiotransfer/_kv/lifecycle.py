@@ -6,6 +6,10 @@ returned). On the decode a failed room is released once each prefill rank asked 
 acknowledged a drain (``Drained``), or has been proven gone (a new incarnation answered on its endpoint,
 or its control port refuses connections: no process is listening there any more), or the quarantine
 elapsed. This module keeps the rooms awaiting release, proves peers gone, and counts it all.
+
+A room number stays taken until its room is released: an ended room still holding its pages keeps its
+number, so that nothing keyed by it (a drain acknowledgement, staging space) can be taken for a new room
+(:meth:`Lifecycle.holding`).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ class Lifecycle:
         """Prefill rooms that ended here and still hold their pages."""
         self.rx: dict[int, ReceiverRoom] = {}
         """Decode rooms that ended here and still hold their pages."""
-        for name in ("drains_acknowledged", "quarantines_expired", "peers_proven_gone"):
+        for name in ("drains_acknowledged", "quarantines_expired", "peers_proven_gone", "rooms_refused_in_use"):
             ctx.counters[name] += 0
 
     def ended(self, tx: SenderRoom | None = None, rx: ReceiverRoom | None = None) -> None:
@@ -56,13 +60,37 @@ class Lifecycle:
             side = rx
             if self.rx.get(rx.room) is rx:
                 del self.rx[rx.room]
-            self._grantor.release_room(rx.room)  # staging space granted to the room's pieces
+            self._grantor.release_room(rx)  # staging space granted to this room's pieces, and only to them
         assert side is not None
         ctx.counters[f"rooms_released_{cause.replace('-', '_')}"] += 1
         if cause == "quarantine":
             ctx.counters["quarantines_expired"] += 1
             log.warning("room %d: pages released after the %.3gs quarantine; no drain acknowledgement from %s",
                         side.room, ctx.config.quarantine_s, ", ".join(rx.awaiting_drain if rx else []) or "-")
+
+    def holding(self, room: int, *, prefill: bool) -> str | None:
+        """Why the number ``room`` is still taken on this side by a room that ended here and has not released
+        its pages (the state it is in), or None. ``prefill``: this rank's senders, else its receivers."""
+        if prefill:
+            tx = self.tx.get(room)
+            if tx is None or tx.is_released():
+                return None
+            state = (f"it ended ({_how(tx)}) and engine operations or worker copies of its pages are still pending "
+                     f"({tx.engine_holds})")
+        else:
+            rx = self.rx.get(room)
+            if rx is None or rx.is_released():
+                return None
+            waiting = rx.awaiting_drain
+            if waiting and all(self._ctx.liveness.is_dead(ep) for ep in waiting):
+                state = (f"it ended ({_how(rx)}) and is quarantined: its prefill ranks {', '.join(waiting)} are "
+                         f"silent, so only a proof that they are gone or the {self._ctx.config.quarantine_s:g}s "
+                         "quarantine releases its pages")
+            elif waiting:
+                state = f"it ended ({_how(rx)}) and is awaiting its drain acknowledgement from {', '.join(waiting)}"
+            else:
+                state = f"it ended ({_how(rx)}) and its own copies into its pages are still running"
+        return f"{state}; a room number is unique until its pages are released"
 
     def peer_gone(self, endpoint: str, cause: str) -> int:
         """``endpoint``'s process is provably gone: nothing it posted can land any more."""
@@ -104,3 +132,9 @@ class Lifecycle:
             "pages_quarantined": quarantined, "bytes_quarantined": quarantined * page_bytes,
             "engine_holds_pending": sum(tx.engine_holds for tx in self.tx.values()),
         }
+
+
+def _how(side: SenderRoom | ReceiverRoom) -> str:
+    """How a room ended, for a message: its status, and its reason when it failed."""
+    status = side.status.name.lower()
+    return f"{status}: {side.failure_reason}" if side.failure_reason else status

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -120,18 +120,22 @@ class PendingRequests:
     """Transfer requests that arrived before the prefill created the room's sender, oldest first.
 
     Bounded in time (``ttl``) and rooms (``max_rooms``: the oldest room is pushed out), and in requests per
-    room (``per_room``: one per decode rank) and bytes over all rooms (``max_bytes``): a request beyond
-    either is refused. :meth:`add` returns what it evicted or refused, so that the caller tells those decode
-    ranks why their request went nowhere."""
+    room (``per_room``: one per decode rank), requests per decode rank (``per_peer``, all rooms together) and
+    bytes over all rooms (``max_bytes``): a request beyond any of these is refused. :meth:`add` returns what it
+    evicted or refused, so that the caller tells those decode ranks why their request went nowhere."""
 
-    def __init__(self, ttl: float, max_rooms: int, *, per_room: int = 64, max_bytes: int = 256 << 20) -> None:
+    def __init__(self, ttl: float, max_rooms: int, *, per_room: int = 64, max_bytes: int = 256 << 20,
+                 per_peer: int = 4096) -> None:
         self.ttl = ttl
         self.max_rooms = max_rooms
         self.per_room = per_room
+        self.per_peer = per_peer
         self.max_bytes = max_bytes
         self.nbytes = 0
         """Bytes held now (page indices as received and as unpacked, plus a fixed cost per request)."""
         self._rooms: OrderedDict[int, _Entry] = OrderedDict()
+        self._per_peer: Counter[str] = Counter()
+        """Requests held now, by decode endpoint."""
 
     def add(self, room: int, item: Stashed) -> list[Evicted]:
         now = time.monotonic()
@@ -152,6 +156,9 @@ class PendingRequests:
             return evicted
         if entry is not None and len(entry.items) >= self.per_room:
             reason = f"too many requests for room {room} before the prefill created it ({self.per_room})"
+        elif self._per_peer[item.peer.endpoint] >= self.per_peer:
+            reason = (f"too many requests from decode {item.peer.endpoint} waiting for rooms the prefill has not "
+                      f"created ({self.per_peer})")
         elif self.nbytes + size > self.max_bytes:
             reason = f"too many requests waiting for rooms the prefill has not created ({self.max_bytes} bytes)"
         if reason is not None:
@@ -162,12 +169,18 @@ class PendingRequests:
         entry.items.append(item)
         entry.nbytes += size
         self.nbytes += size
+        self._per_peer[item.peer.endpoint] += 1
         return evicted
 
     def _pop(self, room: int) -> _Entry | None:
         entry = self._rooms.pop(room, None)
         if entry is not None:
             self.nbytes -= entry.nbytes
+            for s in entry.items:
+                ep = s.peer.endpoint
+                self._per_peer[ep] -= 1
+                if not self._per_peer[ep]:
+                    del self._per_peer[ep]
         return entry
 
     def pop(self, room: int) -> list[Stashed] | None:

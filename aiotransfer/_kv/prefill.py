@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -17,7 +18,15 @@ import numpy as np
 from .. import _trace
 from .._deadline import Deadline
 from ..aux_state import StateType
-from ..control.messages import PROTOCOL_VERSION, Abort, Hello, HelloAck, TransferRequest, unpack_indices
+from ..control.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    Hello,
+    HelloAck,
+    Status,
+    TransferRequest,
+    unpack_indices,
+)
 from ..convert import check_convertible, page_geometry
 from ..errors import AiotransferError, EngineError, InvalidArgument, ProtocolError, TransferTimeout
 from ..layout import KVPairing, RankGeometry, pair_buffers
@@ -49,12 +58,16 @@ class PrefillSide:
         self._fail_rooms_with = fail_rooms_with
         self.decode_peers: dict[str, DecodePeer] = {}
         self.pending = PendingRequests(ctx.config.pending_request_ttl, ctx.config.max_rooms,
-                                       per_room=ctx.config.max_pending_per_room, max_bytes=ctx.config.max_pending_bytes)
+                                       per_room=ctx.config.max_pending_per_room, max_bytes=ctx.config.max_pending_bytes,
+                                       per_peer=ctx.config.max_pending_per_peer)
         self.tombstones = Tombstones(ctx.config.tombstone_ttl, ctx.config.max_rooms)
         """Rooms that failed here, or whose request was refused before their sender existed: a late request
         for one is refused, and a sender opened for one fails, with the room's reason."""
         self._hellos: dict[str, asyncio.Task[None]] = {}
         """Registrations being checked (engine handshake), by decode endpoint."""
+        self._after: dict[str, int] = {}
+        """Requests waiting for their decode's registration to be checked, by decode endpoint (bounded by
+        ``max_pending_per_peer``)."""
 
     # -- registration -----------------------------------------------------------------------------
     def on_hello(self, msg: Hello) -> None:
@@ -197,22 +210,19 @@ class PrefillSide:
         pending_hello = self._hellos.get(req.endpoint)
         if peer is None and pending_hello is not None:
             # Its registration is still being checked (engine handshake): handle the request right after.
+            waiting = self._after.get(req.endpoint, 0)
+            if waiting >= ctx.config.max_pending_per_peer:
+                ctx.counters["pending_refused"] += 1
+                self._refuse(req, f"too many requests from decode {req.endpoint} waiting for its registration "
+                                  f"({ctx.config.max_pending_per_peer})")
+                return
+            self._after[req.endpoint] = waiting + 1
             ctx.spawn(self._after_hello(pending_hello, req), "request-after-hello")
             return
-        if peer is None:
-            # a decode that has not registered with this process (it restarted on this endpoint, and the
-            # decode has not noticed yet): the room fails here too, with the reason the decode gets
-            reason = f"transfer request from an unregistered decode rank ({req.endpoint}); register again"
-            ctx.drop("unregistered-peer", f"request for room {req.room} from {req.endpoint}")
-            self._refuse(req, reason)
-            tx = self._senders.get(req.room)
-            if tx is None:
-                self.tombstones.bury(req.room, reason)
-            elif self._may_speak_for(tx, req.endpoint):  # a stranger to an open room leaves it alone
-                tx.update(KVPoll.Failed, reason)
-            return
-        if req.generation != peer.hello.generation:
-            ctx.drop("stale-generation", f"room {req.room} from {req.endpoint}")
+        if peer is None or req.generation != peer.hello.generation:
+            # a decode registration this process does not hold (it restarted on this endpoint, or the decode
+            # registered again since): nothing of the request is taken, the decode registers and resends
+            self.on_stranger(req)
             return
         try:
             idx = unpack_indices(req.kv_indices)
@@ -245,6 +255,21 @@ class PrefillSide:
             return
         self.accept(tx, peer, req, idx)
 
+    def on_stranger(self, req: TransferRequest) -> None:
+        """A transfer request this process cannot take: it names a registration we do not hold, or (signed)
+        an earlier incarnation of ours. The room is not touched here (no failure, no tombstone): the decode
+        is told to register again and resend it with the registration it then gets. The answer leaves before
+        any later message to that decode (a ``Pong``, a ``HelloAck``), so a decode that learns of our restart
+        from those has already heard which of its requests this process never took."""
+        ctx = self._ctx
+        ctx.counters["requests_register_again"] += 1
+        reason = f"transfer request from an unregistered decode rank ({req.endpoint}); register again"
+        msg = Status(room=req.room, status=int(KVPoll.Failed), rank=ctx.rank_id, endpoint=ctx.endpoint, reason=reason,
+                     register_again=True, generation=req.generation)
+        control = ctx.control_or_none
+        if control is not None and not ctx.closed and not control.try_send(req.endpoint, msg):
+            ctx.spawn(ctx.reply(req.endpoint, msg), "register-again")
+
     @staticmethod
     def _may_speak_for(tx: SenderRoom, endpoint: str) -> bool:
         """Whether a request from ``endpoint`` may fail ``tx``: one of its decode ranks, or any decode rank
@@ -276,8 +301,13 @@ class PrefillSide:
                 raise InvalidArgument(f"{kind} state takes exactly one slot per request, got {len(idx)}")
 
     async def _after_hello(self, hello_task: asyncio.Task[None], req: TransferRequest) -> None:
-        with contextlib.suppress(Exception):
-            await asyncio.shield(hello_task)
+        try:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(hello_task)
+        finally:
+            left = self._after.pop(req.endpoint, 1) - 1
+            if left:
+                self._after[req.endpoint] = left
         self.on_request(req)
 
     def accept(self, tx: SenderRoom, peer: DecodePeer, req: TransferRequest, idx: np.ndarray) -> None:
@@ -287,8 +317,19 @@ class PrefillSide:
             self._ctx.drop("refused-request", reason)
             self._refuse(req, reason)
 
+    def reused(self, room: int) -> str | None:
+        """Why a new sender may not take the number ``room``: a sender of it failed here and its tombstone
+        lasts; None otherwise. A room whose decode aborted it before a sender of it opened here is not a reuse
+        (the same request): its sender opens and fails at once with the decode's reason (:meth:`opened`)."""
+        tomb = self.tombstones.get(room)
+        if tomb is None or not tomb.opened:
+            return None
+        return (f"it failed here {time.monotonic() - tomb.since:.0f}s ago ({tomb.reason}) and is remembered for "
+                f"tombstone_ttl ({self.tombstones.ttl:g}s); a room number is unique until its tombstone expires")
+
     def opened(self, tx: SenderRoom) -> None:
-        """A sender was just created: hand it the requests that came before it (or the refusal of one)."""
+        """A sender was just created: hand it the requests that came before it (or the refusal of one: its
+        decode aborted the room before it opened)."""
         refused = self.tombstones.reason(tx.room)
         if refused is not None:
             tx.update(KVPoll.Failed, refused)
@@ -309,8 +350,14 @@ class PrefillSide:
             log.error("decode %s reports for room %d: %s", msg.endpoint, msg.room, msg.reason)
         tx = self._senders.get(msg.room)
         if tx is not None and (msg.endpoint in tx.decode_endpoints or not tx.decode_endpoints):
+            reason = decode_reason(msg.reason)
+            others = [ep for ep in tx.decode_endpoints if ep != msg.endpoint]
+            if others and not tx.status.is_terminal:
+                # the room's other decode ranks learn why at once (told first: the drain acknowledgement the
+                # update may send them right away must not overtake it)
+                self._tell_failed(msg.room, others, reason)
             # stops posting at once; the drain acknowledgement follows when its last handle is terminal
-            tx.update(KVPoll.Failed, decode_reason(msg.reason))
+            tx.update(KVPoll.Failed, reason)
             return True
         ended = self._draining.get(msg.room)
         if ended is not None:
@@ -321,10 +368,27 @@ class PrefillSide:
                 # room released with Success tells nobody it drained.
                 self.drained_now(msg.room, msg.endpoint)
             return True  # a failed room: the acknowledgement follows when it has drained
-        if self.pending.pop(msg.room) is not None or mismatch:
-            self.drained_now(msg.room, msg.endpoint, decode_reason(msg.reason))  # nothing was posted for it
+        stashed = self.pending.pop(msg.room)
+        if stashed is not None or mismatch:
+            reason = decode_reason(msg.reason)
+            self.drained_now(msg.room, msg.endpoint, reason)  # nothing was posted for it
+            others = [s.peer.endpoint for s in stashed or () if s.peer.endpoint != msg.endpoint]
+            if others:  # the other decode ranks' requests went with the room: they learn why, and that it drained
+                self._tell_failed(msg.room, others, reason, drained=True)
             return True
         return False
+
+    def _tell_failed(self, room: int, endpoints: list[str], reason: str, *, drained: bool = False) -> None:
+        """Tell decode ranks that ``room`` failed here with ``reason`` and, with ``drained``, that nothing of it
+        can write into their pages (in that order, on their ordered channels)."""
+        notifier = self._notifier
+
+        async def tell() -> None:
+            await notifier.failure(room, endpoints, reason)
+            if drained:
+                await notifier.drained(room, endpoints)
+
+        self._ctx.spawn(tell(), "abort-others")
 
     def drained_now(self, room: int, endpoint: str, reason: str | None = None) -> None:
         """Nothing of ``room`` can write into ``endpoint``'s pages from here: say so. With ``reason`` (the
@@ -337,5 +401,5 @@ class PrefillSide:
     def ended(self, tx: SenderRoom) -> None:
         """A sender of ours became terminal: a failed room is remembered (see :attr:`tombstones`)."""
         if tx.status is KVPoll.Failed:
-            self.tombstones.bury(tx.room, tx.failure_reason or "failed")
+            self.tombstones.bury(tx.room, tx.failure_reason or "failed", opened=True)
 

@@ -86,6 +86,8 @@ class ReceiverRoom(_Room, StagingRoom, Protocol):
 
     def on_prefill_status(self, endpoint: str, rank: int, status: KVPoll, reason: str, aux_path: str = ...) -> bool: ...
 
+    def ask_again(self, endpoint: str, generation: int, forget: Callable[[str], None]) -> bool: ...
+
 
 class RoomSide:
     """Status, latch, failure reason, waiters and terminal notification of one room on one side.

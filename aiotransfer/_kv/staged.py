@@ -73,13 +73,14 @@ class StagingWriter:
     def __init__(self, ctx: RankContext) -> None:
         self._ctx = ctx
         self._ids = 0
-        self.answers: Rendezvous[int, StageGrant | StagedAck] = Rendezvous()
-        """Grants are keyed by request id, acks by minus the request id."""
+        self.answers: Rendezvous[tuple[str, int, int], StageGrant | StagedAck] = Rendezvous()
+        """Answers are keyed by the decode asked (its endpoint, which a signed answer must be sent from), the
+        room and the request id (minus the id for an ack): another decode cannot answer for it."""
 
     def on_answer(self, msg: StageGrant | StagedAck) -> None:
-        key = msg.req_id if isinstance(msg, StageGrant) else -msg.req_id
+        key = (msg.endpoint, msg.room, msg.req_id if isinstance(msg, StageGrant) else -msg.req_id)
         if not self.answers.resolve(key, msg):
-            self._ctx.drop("unexpected-staging-answer", str(msg.req_id))
+            self._ctx.drop("unexpected-staging-answer", f"room {msg.room} piece {msg.req_id} from {msg.endpoint}")
 
     async def write(
         self, room: int, peer: DecodePeer, src: np.ndarray, dst_start: int, slices: tuple[RowSlice, RowSlice],
@@ -179,6 +180,11 @@ class StagingWriter:
                     grant = await asyncio.shield(granting)  # a cancelled piece leaves the grant to be released
                     if not grant.granted:
                         raise TransferFailed(f"decode refused staging space: {grant.reason}", room=room)
+                    if not 0 <= grant.offset <= remote.nbytes - nbytes:
+                        ctx.drop("invalid-staging-grant", f"room {room}: offset {grant.offset} from {peer.endpoint}")
+                        raise TransferFailed(
+                            f"decode granted [{grant.offset}, {grant.offset + nbytes}), outside the "
+                            f"{remote.nbytes} bytes of staging arena it declared", room=room)
                     blocks = Blocks(
                         np.array([arena.ptr + lease.off], dtype=np.uint64),
                         np.array([remote.ptr + grant.offset], dtype=np.uint64),
@@ -231,9 +237,9 @@ class StagingWriter:
         if isinstance(msg, StageRequest):
             self._ids += 1
             msg = StageRequest(room=msg.room, endpoint=msg.endpoint, req_id=self._ids, nbytes=msg.nbytes)
-            key = msg.req_id
+            key = (endpoint, msg.room, msg.req_id)
         else:
-            key = -msg.req_id
+            key = (endpoint, msg.room, -msg.req_id)
         with self.answers.expect(key) as fut:
             await self._ctx.send(endpoint, msg, deadline)
             answer = await self.answers.wait(fut, deadline.remaining())
@@ -248,14 +254,31 @@ def piece_pages(per_page: int, local_arena: int, remote_arena: int) -> int:
     return max(1, cap // per_page)
 
 
+class _Piece:
+    """One staging request held for a room: waiting for arena space (``task``), then granted (``off``)."""
+
+    __slots__ = ("nbytes", "off", "task")
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.off: int | None = None
+        self.task: asyncio.Task[None] | None = None
+
+
 class StagingGrantor:
     """Decode side: grant arena space to a prefill rank's piece, then scatter it into the room's pages.
 
-    A grant is keyed by the asking rank's endpoint, the room and the request id. A prefill's ids are unique
-    only within its process: one restarted on the same endpoint counts from 1 again, for rooms of its own,
-    while grants to its old process's rooms are still held. A request that repeats a key whose space is still
-    granted (or being acquired) is refused with the reason; it never replaces the first grant, whose space
-    comes back when its piece lands or when its room is released.
+    A grant belongs to the room it was made for, the room itself rather than its number, and is keyed there by
+    the asking rank's endpoint and the request id: releasing a room frees the space granted to that room's
+    pieces and never another's. A prefill's ids are unique only within its process: one restarted on the same
+    endpoint counts from 1 again, for rooms of its own, while grants to its old process's rooms are still
+    held. A request that repeats a key whose space is still granted (or being acquired) is refused with the
+    reason; it never replaces the first grant, whose space comes back when its piece lands or when its room is
+    released.
+
+    Requests held (waiting for space, or granted and not yet used) are bounded per prefill rank and room
+    (``max_staging_requests_per_room``) and per prefill rank (``max_staging_requests_per_peer``); one beyond
+    either is refused at once with the reason (``dropped_staging-over-cap``).
     """
 
     def __init__(self, ctx: RankContext, lookup: Callable[[int], StagingRoom | None],
@@ -265,92 +288,166 @@ class StagingGrantor:
         """An open room of ours, by number"""
         self._ended = ended
         """A room that ended here but still holds its pages, by number"""
-        self._grants: dict[tuple[str, int, int], tuple[int, int]] = {}
-        """(prefill endpoint, room, req id) -> (offset, nbytes) granted"""
-        self._asking: set[tuple[str, int, int]] = set()
-        """Keys of requests waiting for arena space"""
+        self._pieces: dict[StagingRoom, dict[str, dict[int, _Piece]]] = {}
+        """room -> prefill endpoint -> request id -> the request held"""
+        self._per_peer: dict[str, int] = {}
+        """Requests held, by prefill endpoint"""
+
+    @property
+    def held(self) -> int:
+        """Staging requests held now: waiting for arena space, or granted and not yet used."""
+        return sum(self._per_peer.values())
 
     def on_request(self, msg: StageRequest) -> None:
-        ctx = self._ctx
+        ctx, cfg = self._ctx, self._ctx.config
         rx = self._lookup(msg.room)
         if rx is not None and msg.endpoint in rx.sources:
-            key = (msg.endpoint, msg.room, msg.req_id)
-            if key in self._grants or key in self._asking:
+            mine = self._pieces.get(rx, {}).get(msg.endpoint, {})
+            if msg.req_id in mine:
                 ctx.drop("repeated-staging-request", f"room {msg.room} piece {msg.req_id} from {msg.endpoint}")
-                reason = f"staging request {msg.req_id} for room {msg.room} repeats one whose space is still held"
-                ctx.spawn(ctx.reply(msg.endpoint, StageGrant(room=msg.room, req_id=msg.req_id, offset=0,
-                                                             granted=False, reason=reason)), "stage-refuse")
+                self._refuse(msg, f"staging request {msg.req_id} for room {msg.room} repeats one whose space is "
+                                  "still held")
                 return
-            self._asking.add(key)
-            ctx.spawn(self._grant(msg), "stage-grant")
+            if ctx.arena is None:
+                self._refuse(msg, "decode has no staging arena")
+                return
+            if len(mine) >= cfg.max_staging_requests_per_room:
+                refusal = (f"room {msg.room} already holds {len(mine)} staging requests from {msg.endpoint} "
+                           f"(max_staging_requests_per_room)")
+            elif self._per_peer.get(msg.endpoint, 0) >= cfg.max_staging_requests_per_peer:
+                refusal = (f"{msg.endpoint} already holds {self._per_peer[msg.endpoint]} staging requests here "
+                           f"(max_staging_requests_per_peer)")
+            else:
+                refusal = None
+            if refusal is not None:
+                ctx.drop("staging-over-cap", refusal)
+                self._refuse(msg, refusal)
+                return
+            piece = self._pieces.setdefault(rx, {}).setdefault(msg.endpoint, {})[msg.req_id] = _Piece(msg.nbytes)
+            self._per_peer[msg.endpoint] = self._per_peer.get(msg.endpoint, 0) + 1
+            piece.task = ctx.spawn(self._grant(msg, rx, piece), "stage-grant")
             return
         ended = self._ended(msg.room)
         if ended is not None and msg.endpoint in ended.sources:
             # the room ended here while that rank still sends (it has not heard why yet): it learns now, not
             # at its deadline
             ctx.counters["staging_refused_ended"] += 1
-            reason = f"room {msg.room} has ended here: {ended.failure_reason or 'done'}"
-            ctx.spawn(ctx.reply(msg.endpoint, StageGrant(room=msg.room, req_id=msg.req_id, offset=0, granted=False,
-                                                         reason=reason)), "stage-refuse")
+            self._refuse(msg, f"room {msg.room} has ended here: {ended.failure_reason or 'done'}")
             return
         ctx.drop("unknown-room", f"staging request for room {msg.room}")
 
-    async def _grant(self, msg: StageRequest) -> None:
-        arena = self._ctx.arena
-        key = (msg.endpoint, msg.room, msg.req_id)
-        if arena is None:
-            self._asking.discard(key)
-            answer = StageGrant(room=msg.room, req_id=msg.req_id, offset=0, granted=False,
-                                reason="decode has no staging arena")
-        else:
-            try:
-                off = await arena.acquire(msg.nbytes, self._ctx.config.transfer_timeout)
-                if self._lookup(msg.room) is None:  # the room ended while the piece waited for space
-                    arena.release(off, msg.nbytes)
-                    answer = StageGrant(room=msg.room, req_id=msg.req_id, offset=0, granted=False,
-                                        reason=f"room {msg.room} is not open here")
-                else:
-                    self._grants[key] = (off, msg.nbytes)
-                    answer = StageGrant(room=msg.room, req_id=msg.req_id, offset=off, granted=True)
-            except (InvalidArgument, TransferTimeout) as exc:
-                answer = StageGrant(room=msg.room, req_id=msg.req_id, offset=0, granted=False, reason=str(exc))
-            finally:
-                self._asking.discard(key)
-        await self._ctx.reply(msg.endpoint, answer)
+    def _refuse(self, msg: StageRequest, reason: str) -> None:
+        self._answer(msg.endpoint, StageGrant(room=msg.room, endpoint=self._ctx.endpoint, req_id=msg.req_id,
+                                              offset=0, granted=False, reason=reason), "stage-refuse")
 
-    def release_room(self, room: int) -> int:
-        """The room's pages were released (no prefill write of it can land any more): so is the staging
-        space granted to its pieces that never arrived. Returns the bytes freed."""
+    def _answer(self, endpoint: str, msg: StageGrant | StagedAck, name: str) -> None:
+        """Send an answer; without a task when it can leave at once (refusing a flood creates none)."""
+        ctx = self._ctx
+        control = ctx.control_or_none
+        if control is None or ctx.closed or control.try_send(endpoint, msg):
+            return
+        ctx.spawn(ctx.reply(endpoint, msg), name)
+
+    async def _grant(self, msg: StageRequest, rx: StagingRoom, piece: _Piece) -> None:
+        """Wait (bounded) for arena space for ``piece`` of ``rx``, and answer. Cancelled when ``rx`` is released
+        meanwhile: no space was taken, and its prefill rank has drained (it waits for no answer)."""
+        ctx = self._ctx
+        arena = ctx.arena
+        assert arena is not None
+        reason = f"room {msg.room} is not open here"
+        try:
+            off = await arena.acquire(msg.nbytes, ctx.config.transfer_timeout)
+        except (InvalidArgument, TransferTimeout) as exc:
+            off, reason = None, str(exc)
+        if off is not None and self._lookup(msg.room) is rx and self._holds(rx, msg.endpoint, msg.req_id, piece):
+            piece.off, piece.task = off, None
+            answer = StageGrant(room=msg.room, endpoint=ctx.endpoint, req_id=msg.req_id, offset=off, granted=True)
+        else:  # refused, or the room ended while the piece waited for space
+            if off is not None:
+                arena.release(off, msg.nbytes)
+            self._forget(rx, msg.endpoint, msg.req_id, piece)
+            answer = StageGrant(room=msg.room, endpoint=ctx.endpoint, req_id=msg.req_id, offset=0, granted=False,
+                                reason=reason)
+        await ctx.reply(msg.endpoint, answer)
+
+    def _holds(self, rx: StagingRoom, endpoint: str, req_id: int, piece: _Piece) -> bool:
+        return self._pieces.get(rx, {}).get(endpoint, {}).get(req_id) is piece
+
+    def _forget(self, rx: StagingRoom, endpoint: str, req_id: int, piece: _Piece) -> None:
+        """``piece`` is no longer held for ``rx`` (used, refused, or its space freed)."""
+        if not self._holds(rx, endpoint, req_id, piece):
+            return
+        by_peer = self._pieces[rx]
+        del by_peer[endpoint][req_id]
+        if not by_peer[endpoint]:
+            del by_peer[endpoint]
+            if not by_peer:
+                del self._pieces[rx]
+        self._uncount(endpoint, 1)
+
+    def _uncount(self, endpoint: str, n: int) -> None:
+        left = self._per_peer.get(endpoint, 0) - n
+        if left > 0:
+            self._per_peer[endpoint] = left
+        else:
+            self._per_peer.pop(endpoint, None)
+
+    def release_room(self, rx: StagingRoom) -> int:
+        """``rx``'s pages were released (no prefill write of it can land any more): so is the staging space
+        granted to its pieces that never arrived, and requests of it still waiting for space are dropped.
+        Only ``rx``'s own: a room opened since under the same number keeps its grants. Returns the bytes
+        freed."""
         arena = self._ctx.arena
         freed = 0
-        for key, (off, n) in list(self._grants.items()):
-            if key[1] == room and arena is not None:
-                del self._grants[key]
-                arena.release(off, n)
-                freed += n
+        for endpoint, pieces in self._pieces.pop(rx, {}).items():
+            self._uncount(endpoint, len(pieces))
+            for piece in pieces.values():
+                if piece.task is not None:
+                    piece.task.cancel()  # it never got space: nothing can be written into any
+                elif piece.off is not None and arena is not None:
+                    arena.release(piece.off, piece.nbytes)
+                    freed += piece.nbytes
         if freed:
             self._ctx.counters["staging_space_reclaimed"] += 1
         return freed
 
+    def _granted(self, msg: Staged) -> tuple[StagingRoom, _Piece] | None:
+        """The room (open, or ended and still holding its pages) and the grant a piece names, if granted."""
+        for rx in (self._lookup(msg.room), self._ended(msg.room)):
+            piece = self._pieces.get(rx, {}).get(msg.endpoint, {}).get(msg.req_id) if rx is not None else None
+            if rx is not None and piece is not None and piece.off is not None:
+                return rx, piece
+        return None
+
     def on_staged(self, msg: Staged) -> None:
         ctx = self._ctx
-        grant = self._grants.pop((msg.endpoint, msg.room, msg.req_id), None)
-        if grant is None:
+        found = self._granted(msg)
+        if found is None:
             ctx.drop("unexpected-staged", f"room {msg.room} piece {msg.req_id}")
             return
-        off, nbytes = grant
+        owner, piece = found
+        off, nbytes = piece.off, piece.nbytes
+        assert off is not None
         arena = ctx.arena
         assert arena is not None
-        if off == msg.offset and msg.n_pages == 0:  # the prefill gave the space back unused
+        if off != msg.offset or msg.nbytes > nbytes:
+            # not the piece it was granted for: the grant stays held (a write into it may still come) until its
+            # piece lands or the room is released
+            reason = "staged piece does not match its grant"
+            ctx.drop("invalid-staged", reason)
+            self._answer(msg.endpoint, StagedAck(room=msg.room, endpoint=ctx.endpoint, req_id=msg.req_id, ok=False,
+                                                 reason=reason), "staged-nack")
+            return
+        self._forget(owner, msg.endpoint, msg.req_id, piece)  # the piece landed: its grant is used
+        if msg.n_pages == 0:  # the prefill gave the space back unused
             arena.release(off, nbytes)
             ctx.counters["staging_space_returned"] += 1
-            ctx.spawn(ctx.reply(msg.endpoint, StagedAck(room=msg.room, req_id=msg.req_id, ok=True)), "staged-ack")
+            self._answer(msg.endpoint, StagedAck(room=msg.room, endpoint=ctx.endpoint, req_id=msg.req_id, ok=True),
+                         "staged-ack")
             return
-        rx = self._lookup(msg.room)
-        if off != msg.offset or msg.nbytes > nbytes:
-            scatter: Callable[[], None] | str = "staged piece does not match its grant"
-        elif rx is None or rx.pages is None:
-            scatter = f"room {msg.room} is not open here"
+        rx = owner if self._lookup(msg.room) is owner else None
+        if rx is None or rx.pages is None:
+            scatter: Callable[[], None] | str = f"room {msg.room} is not open here"
         elif msg.stream:
             scatter = self._stream_scatter(msg, rx, off)
         else:
@@ -358,8 +455,8 @@ class StagingGrantor:
         if isinstance(scatter, str):
             arena.release(off, nbytes)
             ctx.drop("invalid-staged", scatter)
-            ctx.spawn(ctx.reply(msg.endpoint, StagedAck(room=msg.room, req_id=msg.req_id, ok=False, reason=scatter)),
-                      "staged-nack")
+            self._answer(msg.endpoint, StagedAck(room=msg.room, endpoint=ctx.endpoint, req_id=msg.req_id, ok=False,
+                                                 reason=scatter), "staged-nack")
             return
         assert rx is not None
         ctx.spawn(self._scatter(msg, scatter, off, nbytes, rx.hold()), "scatter")
@@ -421,4 +518,4 @@ class StagingGrantor:
             ctx.counters["staged_pieces_received"] += 1
         except Exception as exc:  # the prefill learns why instead of waiting for an ack that never comes
             ok, reason = False, str(exc) if isinstance(exc, AiotransferError) else f"scatter failed: {exc!r}"
-        await ctx.reply(msg.endpoint, StagedAck(room=msg.room, req_id=msg.req_id, ok=ok, reason=reason))
+        await ctx.reply(msg.endpoint, StagedAck(room=msg.room, endpoint=self._ctx.endpoint, req_id=msg.req_id, ok=ok, reason=reason))

@@ -1,10 +1,17 @@
 """ZMQ endpoint of one manager: one PULL socket in, a capped LRU cache of PUSH sockets out.
 
 Each message is one multipart ZMQ message: ``[payload]``, or ``[payload, header, mac]`` when a shared
-secret is configured: ``header`` = (counter, send time, sender endpoint, destination endpoint) and ``mac`` =
-HMAC-SHA256 over header and payload. A receiver rejects bad signatures, messages addressed to another
-endpoint, messages older than the replay window, any counter not above the last one seen from that sender
-endpoint (replays), and a payload naming another sender than the signed one. Inbound messages are read
+secret is configured: ``header`` = (counter, send time, sender incarnation, destination incarnation, sender
+endpoint, destination endpoint) and ``mac`` = HMAC-SHA256 over header and payload. A receiver rejects bad
+signatures, messages addressed to another endpoint, messages older than the replay window, any counter not
+above the last one seen from that sender endpoint (replays), and a payload naming another sender than the
+signed one.
+
+Replays die with the process: every process has its own incarnation id, and a signed message names the
+incarnation of the destination it was written for (the one its sender last heard from that endpoint; 0 when
+it has heard none). A message for an earlier incarnation, or for none, is refused, except the few that open
+contact (:data:`CONTACT`), which carry nothing a stranger could not ask for; a transfer request for another
+incarnation goes to ``on_stranger``, which answers that the decode must register again (never served). Inbound messages are read
 frame by frame and a message over the whole-message bound (frame count, total bytes) is discarded as it is
 read, never assembled. Inbound messages that are too large, unauthenticated, or fail decoding/validation
 are counted by cause, logged (rate-limited) and dropped; bad input never stops the receiving. Messages are
@@ -32,7 +39,7 @@ from zmq.utils import z85
 
 from .._deadline import reap, within
 from ..errors import ClosedError, PeerError, ProtocolError, TransferTimeout
-from .messages import Message, RankRegister, decode, encode
+from .messages import Hello, Message, Ping, RankRegister, TopologyQuery, TransferRequest, decode, encode
 from .sockets import OrderedSender
 
 __all__ = ["ControlPlane", "ReplayGuard", "curve_keys", "normalize_endpoint", "signed_frames"]
@@ -41,9 +48,14 @@ log = logging.getLogger("aiotransfer.control")
 
 Handler = Callable[[Message], Awaitable[None] | None]
 
-_HEADER = struct.Struct("<Qd")
-"""Signed header, fixed part: counter, send time; then the sender and destination endpoints."""
-_MAC_DOMAIN = b"aiotransfer-control-v2\x00"
+_HEADER = struct.Struct("<QdQQ")
+"""Signed header, fixed part: counter, send time, sender incarnation, destination incarnation; then the sender
+and destination endpoints."""
+_MAC_DOMAIN = b"aiotransfer-control-v3\x00"
+CONTACT = (Hello, TopologyQuery, Ping, RankRegister)
+"""Messages accepted whatever incarnation of ours they name: they open contact with a process whose
+incarnation the sender cannot know yet (its first message, or ours after a restart). A replayed one asks only
+what its signer may ask anyway: a registration (answered to the signer), a topology or a ``Pong``."""
 _MAX_ENDPOINT = 255
 REPLAY_WINDOW = 30.0
 """Seconds a signed message stays acceptable (clock skew between hosts must stay below this)."""
@@ -59,6 +71,13 @@ _MAX_CAUSES = 64
 _ERROR_RETRY_S = 0.01
 """After a receive that failed (a socket error, or nothing to read where ``ZMQ_EVENTS`` said a message was in),
 the next one is tried this much later: the descriptor's signal was taken, and no new one may come."""
+RETIRE_S = 5.0
+"""Seconds an outbound socket evicted from the cache (``max_sockets``) stays open, so that what it queued still
+leaves (a peer slow to connect, a burst that evicted sockets before their connections were made): closing it
+at once would drop those messages, a ``Success`` among them. A message to its peer meanwhile takes it back into
+the cache, so nothing overtakes what it queued. It is closed once this has passed (when the next socket
+opens), or earlier when more than ``max_sockets`` evicted sockets wait: at most twice ``max_sockets`` outbound
+sockets are open."""
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 """Plain ints: ``int & IntFlag`` goes through the enum machinery on every message."""
 
@@ -84,12 +103,14 @@ def _mac(key: bytes, header: bytes, payload: bytes) -> bytes:
     return mac.digest()
 
 
-def signed_frames(key: bytes, payload: bytes, *, sender: str, destination: str, counter: int, sent: float) -> list[bytes]:
-    """``[payload, header, mac]``: ``payload`` signed by ``sender`` for ``destination`` only."""
+def signed_frames(key: bytes, payload: bytes, *, sender: str, destination: str, counter: int, sent: float,
+                  incarnation: int = 0, to_incarnation: int = 0) -> list[bytes]:
+    """``[payload, header, mac]``: ``payload`` signed by ``sender`` (of ``incarnation``) for ``destination``
+    (of ``to_incarnation``; 0: not known to the sender) only."""
     src, dst = sender.encode(), destination.encode()
     if len(src) > _MAX_ENDPOINT or len(dst) > _MAX_ENDPOINT:
         raise ValueError("control endpoints are at most 255 bytes long")
-    header = _HEADER.pack(counter, sent) + bytes((len(src), len(dst))) + src + dst
+    header = _HEADER.pack(counter, sent, incarnation, to_incarnation) + bytes((len(src), len(dst))) + src + dst
     return [payload, header, _mac(key, header, payload)]
 
 
@@ -145,7 +166,10 @@ class ReplayGuard:
 
 
 class ControlPlane:
-    """Inbound PULL + outbound PUSH cache; delivers decoded messages to ``handler`` in arrival order."""
+    """Inbound PULL + outbound PUSH cache; delivers decoded messages to ``handler`` in arrival order.
+
+    With ``hmac_key``, every connection is also authenticated with CurveZMQ keys derived from it unless
+    ``curve`` is False (see :func:`curve_keys`)."""
 
     def __init__(
         self,
@@ -156,12 +180,15 @@ class ControlPlane:
         max_sockets: int,
         max_message_bytes: int,
         hmac_key: bytes | None = None,
-        curve: bool = False,
+        curve: bool | None = None,
+        incarnation: int = 0,
+        on_stranger: Callable[[TransferRequest], None] | None = None,
     ) -> None:
         if curve and hmac_key is None:
             raise ValueError("connection authentication (curve) derives its keys from the shared secret: set hmac_key")
-        self._curve = curve_keys(hmac_key) if curve and hmac_key is not None else None
-        """(public, secret) CurveZMQ keys of every manager sharing the secret, or None."""
+        self._curve = curve_keys(hmac_key) if curve is not False and hmac_key is not None else None
+        """(public, secret) CurveZMQ keys of every manager sharing the secret, or None. ``curve=None``: on
+        whenever there is a secret."""
         self._ctx: zmq.Context[Any] | None = None
         self._hostname = hostname
         self._port = port
@@ -171,6 +198,8 @@ class ControlPlane:
         self._key = hmac_key
         self._pull: zmq.Socket[Any] | None = None
         self._out: OrderedDict[str, OrderedSender] = OrderedDict()
+        self._retired: OrderedDict[str, tuple[float, OrderedSender]] = OrderedDict()
+        """Sockets evicted from :attr:`_out`, oldest first, with when each may be closed (see :data:`RETIRE_S`)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reading: int | None = None
         """The inbound socket's descriptor, while the loop watches it."""
@@ -185,6 +214,12 @@ class ControlPlane:
         self.endpoint = ""
         self._counter = 0
         self._replay = ReplayGuard(REPLAY_WINDOW, MAX_SENDERS)
+        self.incarnation = incarnation or int.from_bytes(os.urandom(8), "little") >> 2 or 1
+        """This process's incarnation id, in every message it signs; a successor on the same endpoint has
+        another, so what was signed for this one is refused there."""
+        self._peers: OrderedDict[str, int] = OrderedDict()
+        """The incarnation each sender endpoint last signed with (bounded like the replay state)."""
+        self._on_stranger = on_stranger
         self.whole_message_bound = True
         """Refuse a message over ``max_message_bytes`` (and :data:`MAX_FRAMES`) while reading it, before it is
         assembled; False only to show what the bound prevents."""
@@ -212,26 +247,47 @@ class ControlPlane:
 
     # -- outbound -------------------------------------------------------------------------------
     def _socket(self, endpoint: str) -> OrderedSender:
+        """The cached socket to ``endpoint``, or the one evicted earlier that may still hold its messages
+        (taken back: one socket per peer keeps their order), or a new one. The least recently used socket
+        beyond ``max_sockets`` is evicted, not closed: see :data:`RETIRE_S`."""
         out = self._out.get(endpoint)
         if out is not None:
             self._out.move_to_end(endpoint)
             return out
-        while len(self._out) >= self._max_sockets:
-            _, old = self._out.popitem(last=False)
-            old.sock.close(linger=0)
-            self.evicted += 1
         if self._ctx is None:
             raise ClosedError("control plane is not started")
-        sock = self._ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.SNDHWM, 10000)
-        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)
-        if self._curve is not None:
-            sock.curve_serverkey = self._curve[0]
-            sock.curve_publickey, sock.curve_secretkey = self._curve
-        sock.connect(endpoint)
-        out = self._out[endpoint] = OrderedSender(sock)
+        self._close_retired()
+        retired = self._retired.pop(endpoint, None)
+        if retired is not None:
+            out = retired[1]
+        else:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 10000)
+            sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+            sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)
+            if self._curve is not None:
+                sock.curve_serverkey = self._curve[0]
+                sock.curve_publickey, sock.curve_secretkey = self._curve
+            sock.connect(endpoint)
+            out = OrderedSender(sock)
+        while len(self._out) >= self._max_sockets:
+            old_endpoint, old = self._out.popitem(last=False)
+            self._retired[old_endpoint] = (time.monotonic() + RETIRE_S, old)
+            self.evicted += 1
+        self._out[endpoint] = out
+        self._close_retired()
         return out
+
+    def _close_retired(self) -> None:
+        """Close the evicted sockets whose time has passed (unless sends still wait on one), and the oldest
+        beyond ``max_sockets`` evicted ones whatever their time. Closing never blocks: linger 0."""
+        now = time.monotonic()
+        while self._retired:
+            endpoint, (until, out) = next(iter(self._retired.items()))
+            if len(self._retired) <= self._max_sockets and (until > now or out.waiting):
+                return
+            del self._retired[endpoint]
+            out.sock.close(linger=0)
 
     def frames(self, msg: Message, destination: str) -> list[bytes]:
         """The frames of ``msg`` for ``destination``; signed for that destination only when a key is set."""
@@ -242,7 +298,8 @@ class ControlPlane:
         # above anything its previous incarnation sent.
         self._counter = max(self._counter + 1, time.time_ns())
         return signed_frames(self._key, payload, sender=self.endpoint, destination=destination,
-                             counter=self._counter, sent=time.time())
+                             counter=self._counter, sent=time.time(), incarnation=self.incarnation,
+                             to_incarnation=self._peers.get(destination, 0))
 
     async def send(self, endpoint: str, msg: Message, *, timeout: float, yield_cpu: bool = False) -> None:
         """Queue ``msg`` to ``endpoint``; waits (bounded) only if the peer's queue is full. ``yield_cpu``:
@@ -286,13 +343,18 @@ class ControlPlane:
         return True
 
     def forget(self, endpoint: str) -> None:
+        """The peer at ``endpoint`` is gone: its socket closes, and what it still queued is dropped."""
         out = self._out.pop(endpoint, None)
         if out is not None:
             out.sock.close(linger=0)
+        retired = self._retired.pop(endpoint, None)
+        if retired is not None:
+            retired[1].sock.close(linger=0)
 
     @property
     def open_sockets(self) -> int:
-        return len(self._out) + (1 if self._pull is not None else 0)
+        """Sockets open: cached outbound ones, evicted ones still delivering, and the inbound one."""
+        return len(self._out) + len(self._retired) + (1 if self._pull is not None else 0)
 
     # -- inbound --------------------------------------------------------------------------------
     def parse(self, frames: list[bytes]) -> Message | None:
@@ -314,7 +376,7 @@ class ControlPlane:
             raise ProtocolError("unauthenticated message")
         if not hmac.compare_digest(_mac(self._key, header, payload), frames[2]):
             raise ProtocolError("bad signature")
-        counter, sent = _HEADER.unpack_from(header)
+        counter, sent, incarnation, to_incarnation = _HEADER.unpack_from(header)
         split = fixed + header[_HEADER.size]
         sender, destination = header[fixed:split].decode("utf-8", "replace"), header[split:].decode("utf-8", "replace")
         if destination != self.endpoint:
@@ -327,7 +389,24 @@ class ControlPlane:
             raise ProtocolError(f"sender mismatch: signed by {sender}, names {claimed}")
         if not self._replay.accept(sender, counter):
             raise ProtocolError("replayed message")
-        return msg
+        self._learn(sender, incarnation)
+        if to_incarnation == self.incarnation or isinstance(msg, CONTACT):
+            return msg
+        if isinstance(msg, TransferRequest) and self._on_stranger is not None:
+            self._on_stranger(msg)  # counted there, never served: the decode registers again
+            return None
+        if to_incarnation == 0:
+            raise ProtocolError("addressed to no incarnation (the sender has not heard from this process)")
+        raise ProtocolError("addressed to an earlier incarnation of this endpoint")
+
+    def _learn(self, sender: str, incarnation: int) -> None:
+        """Remember the incarnation ``sender`` signs with, to address what we send it (bounded)."""
+        if not incarnation:
+            return
+        self._peers[sender] = incarnation
+        self._peers.move_to_end(sender)
+        if len(self._peers) > MAX_SENDERS:
+            self._peers.popitem(last=False)
 
     def _take(self, pull: zmq.Socket[Any]) -> list[bytes] | None:
         """The frames of the message whose first frame is in, or None when it broke the whole-message bound
@@ -436,9 +515,10 @@ class ControlPlane:
             awaiting, self._awaiting = self._awaiting, None
             if isinstance(awaiting, asyncio.Task):
                 await reap(awaiting, 1.0)
-        for out in self._out.values():
+        for out in [*self._out.values(), *(out for _, out in self._retired.values())]:
             out.sock.close(linger=int(linger * 1000))
         self._out.clear()
+        self._retired.clear()
         if self._pull is not None:
             self._pull.close(linger=0)
             self._pull = None

@@ -1,12 +1,16 @@
 """Versioned, strictly validated control messages (msgpack via msgspec).
 
-Every message is a tagged struct; decoding checks types, and :func:`validate` checks values (sizes,
-ranges). A message that fails either is a :class:`~aiotransfer.errors.ProtocolError`: the endpoint
-counts it, logs it and drops it. An error's text up to its first colon is a fixed cause (the drop counter's
-key), never a value from the wire, so the counters stay bounded whatever a peer sends.
+Every message is a tagged struct; decoding checks types and lengths (every string, bytes, list and map
+field has a bound, checked on its length prefix before any of it is decoded), and :func:`validate` checks
+values (ranges, sizes that depend on other fields). A message that fails either is a
+:class:`~aiotransfer.errors.ProtocolError`: the endpoint counts it, logs it and drops it. An error's text up
+to its first colon is a fixed cause (the drop counter's key), never a value from the wire, so the counters
+stay bounded whatever a peer sends.
 """
 
 from __future__ import annotations
+
+from typing import Annotated
 
 import msgspec
 import numpy as np
@@ -43,12 +47,47 @@ __all__ = [
     "unpack_indices",
 ]
 
-PROTOCOL_VERSION = 2
-"""2: signed messages bind their sender and destination endpoints (see :mod:`.endpoint`)."""
+PROTOCOL_VERSION = 3
+"""2: signed messages bind their sender and destination endpoints; 3: and both incarnations, staging answers
+name their sender, and a refusal can ask the decode to register again (see :mod:`.endpoint`)."""
 _INDEX_DTYPE = np.dtype("<i4")
-_MAX_LIST = 1 << 16
 _MAX_SETTLE_MS = 60_000
 """A drain acknowledgement may ask the decode to keep its pages at most this long (a minute)."""
+
+# Length bounds, enforced by the decoder as it reads each length prefix: an oversized field is refused before
+# any of its items is decoded, so refusing a message costs time and memory in proportion to these bounds,
+# not to what the peer sent. Each is sized from the largest legitimate message.
+MAX_ROOM_PAGES = 1 << 20
+"""Pages one room names (1,048,576): the longest context served today (1 Mi tokens) at page size 1, 16 Mi
+tokens at page size 16. A request's page indices are at most 4 MiB (int32); a page-indexed state kind names
+at most as many indices."""
+MAX_BUFFERS = 1 << 12
+"""Buffers in one list of a registration (KV, aux, one state kind) and decode buffers of a staged piece: a
+model registers one or two per layer (the deepest have about 128 layers), far below this."""
+MAX_STATE_KINDS = 4
+"""State kinds one rank registers, and one request names: ``mamba``, ``swa``, ``nsa`` and one custom kind."""
+MAX_RANKS = 1 << 14
+"""Prefill ranks behind one bootstrap leader, in a topology answer."""
+MAX_REASON = 4096
+"""Characters of a failure reason."""
+MAX_ENDPOINT = 255
+"""Characters of a control endpoint (the signed header holds at most 255 bytes of one)."""
+MAX_ID = 1024
+"""Characters of an engine session id (a NIXL agent name holds the host name) or a compatibility digest."""
+MAX_NAME = 64
+"""Characters of a name: engine, layout, dtype, device, head order, state kind, aux path."""
+MAX_ENGINE_INFO = 8 << 20
+"""Bytes of an engine's connection info (NIXL: its agent metadata and about 60 bytes per registered region)."""
+MAX_AUX_BYTES = 4 << 20
+"""Bytes of one aux slot sent over the control channel (SGLang's largest, hidden states, are about 64 KiB)."""
+MAX_DIMS = 64
+"""Entries of a state kind's shape."""
+
+_Endpoint = Annotated[str, msgspec.Meta(max_length=MAX_ENDPOINT)]
+_Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON)]
+_Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
+_Id = Annotated[str, msgspec.Meta(max_length=MAX_ID)]
+_Indices = Annotated[list[int], msgspec.Meta(max_length=MAX_ROOM_PAGES)]
 
 
 class BufferSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -63,26 +102,26 @@ class BufferSpec(msgspec.Struct, frozen=True, array_like=True):
 class StateSpec(msgspec.Struct, frozen=True, array_like=True):
     """The buffers of one state type (mamba, swa, nsa...)."""
 
-    kind: str
-    buffers: list[BufferSpec]
-    dims: list[int] = []
+    kind: _Name
+    buffers: Annotated[list[BufferSpec], msgspec.Meta(max_length=MAX_BUFFERS)]
+    dims: Annotated[list[int], msgspec.Meta(max_length=MAX_DIMS)] = []
 
 
 class Hello(msgspec.Struct, tag="hello", frozen=True):
     """Decode -> prefill, once per peer: who we are and where our memory is."""
 
     version: int
-    endpoint: str
+    endpoint: _Endpoint
     generation: int
-    engine: str
-    session_id: str
-    engine_info: bytes
+    engine: _Name
+    session_id: _Id
+    engine_info: Annotated[bytes, msgspec.Meta(max_length=MAX_ENGINE_INFO)]
     probe_addr: int
-    compat: str
-    kv: list[BufferSpec]
-    aux: list[BufferSpec] = []
-    state: list[StateSpec] = []
-    layout: str = "layer_first"
+    compat: _Id
+    kv: Annotated[list[BufferSpec], msgspec.Meta(max_length=MAX_BUFFERS)]
+    aux: Annotated[list[BufferSpec], msgspec.Meta(max_length=MAX_BUFFERS)] = []
+    state: Annotated[list[StateSpec], msgspec.Meta(max_length=MAX_STATE_KINDS)] = []
+    layout: _Name = "layer_first"
     tp_size: int = 1
     tp_rank: int = 0
     pp_size: int = 1
@@ -94,11 +133,11 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     cp_rank: int = 0
     outer: int = 1
     staging: BufferSpec | None = None
-    dtype: str = ""
+    dtype: _Name = ""
     """The KV cache dtype (empty from peers that do not declare it)."""
-    kv_device: str = "cpu"
+    kv_device: _Name = "cpu"
     """Where the KV buffers live (``cpu``, ``cuda:0``...)."""
-    head_order: str = "NHD"
+    head_order: _Name = "NHD"
     """Inside a page: token-major (``NHD``) or head-major (``HND``)."""
     num_layers: int = 0
     incarnation: int = 0
@@ -109,12 +148,12 @@ class HelloAck(msgspec.Struct, tag="hello_ack", frozen=True):
     """Prefill -> decode: accepted (and the engine can reach the decode) or refused with a reason."""
 
     version: int
-    endpoint: str
+    endpoint: _Endpoint
     generation: int
     accepted: bool
-    reason: str = ""
-    engine: str = ""
-    session_id: str = ""
+    reason: _Reason = ""
+    engine: _Name = ""
+    session_id: _Id = ""
     rank: int = 0
     incarnation: int = 0
     """The answering manager's incarnation id (what its ``Pong`` reports; 0: not said)."""
@@ -124,11 +163,11 @@ class TransferRequest(msgspec.Struct, tag="req", frozen=True):
     """Decode -> prefill, per room and target prefill rank: where the pages go."""
 
     room: int
-    endpoint: str
+    endpoint: _Endpoint
     generation: int
-    kv_indices: bytes
+    kv_indices: Annotated[bytes, msgspec.Meta(max_length=MAX_ROOM_PAGES * 4)]
     aux_index: int = -1
-    state_indices: dict[str, list[int]] = {}
+    state_indices: Annotated[dict[_Name, _Indices], msgspec.Meta(max_length=MAX_STATE_KINDS)] = {}
     required_dst_info_num: int = 1
     is_dummy: bool = False
     num_tokens: int = -1
@@ -141,13 +180,19 @@ class Status(msgspec.Struct, tag="status", frozen=True):
     room: int
     status: int
     rank: int
-    endpoint: str
-    reason: str = ""
-    aux_path: str = ""
+    endpoint: _Endpoint
+    reason: _Reason = ""
+    aux_path: _Name = ""
     checksum: int = -1
     """CRC32 of every byte this rank wrote for the room, in canonical order (-1: not computed)."""
-    slices: list[int] = []
-    """For the checksum: rows, heads, start, count, head_bytes, then the decode buffer indices."""
+    slices: Annotated[list[int], msgspec.Meta(max_length=6 * MAX_BUFFERS)] = []
+    """For the checksum, per paired buffer: rows, heads, start, count, head_bytes and the decode buffer index."""
+    register_again: bool = False
+    """A refused request only (``Failed``): this prefill process does not know the decode registration the
+    request names (it restarted, or forgot the decode). Nothing of the room was taken here: the decode
+    registers again and resends the request with ``generation`` = the one it was sent with."""
+    generation: int = 0
+    """With ``register_again``: the registration generation of the refused request."""
 
 
 class AuxData(msgspec.Struct, tag="aux", frozen=True):
@@ -156,8 +201,8 @@ class AuxData(msgspec.Struct, tag="aux", frozen=True):
     room: int
     buffer: int
     index: int
-    data: bytes
-    endpoint: str = ""
+    data: Annotated[bytes, msgspec.Meta(max_length=MAX_AUX_BYTES)]
+    endpoint: _Endpoint = ""
 
 
 class RankEndpoint(msgspec.Struct, frozen=True, array_like=True):
@@ -165,7 +210,7 @@ class RankEndpoint(msgspec.Struct, frozen=True, array_like=True):
     tp_rank: int
     pp_rank: int
     cp_rank: int
-    endpoint: str
+    endpoint: _Endpoint
 
 
 class RankRegister(msgspec.Struct, tag="rank_register", frozen=True):
@@ -177,7 +222,7 @@ class RankRegister(msgspec.Struct, tag="rank_register", frozen=True):
     pp_size: int
     cp_size: int
     dp_size: int
-    layout: str
+    layout: _Name
     total_kv_heads: int
     page_size: int
 
@@ -186,7 +231,7 @@ class TopologyQuery(msgspec.Struct, tag="topology_query", frozen=True):
     """Decode -> prefill leader: who are the prefill ranks?"""
 
     version: int
-    endpoint: str
+    endpoint: _Endpoint
     nonce: int
 
 
@@ -196,35 +241,37 @@ class Topology(msgspec.Struct, tag="topology", frozen=True):
     version: int
     nonce: int
     ready: bool
-    reason: str = ""
+    reason: _Reason = ""
     tp_size: int = 1
     pp_size: int = 1
     cp_size: int = 1
     dp_size: int = 1
-    layout: str = "layer_first"
+    layout: _Name = "layer_first"
     total_kv_heads: int = 0
     page_size: int = 1
-    ranks: list[RankEndpoint] = []
-    redirect: str = ""
+    ranks: Annotated[list[RankEndpoint], msgspec.Meta(max_length=MAX_RANKS)] = []
+    redirect: _Endpoint = ""
 
 
 class StageRequest(msgspec.Struct, tag="stage_req", frozen=True):
     """Prefill -> decode: reserve ``nbytes`` of your staging arena for a piece of ``room``."""
 
     room: int
-    endpoint: str
+    endpoint: _Endpoint
     req_id: int
     nbytes: int
 
 
 class StageGrant(msgspec.Struct, tag="stage_grant", frozen=True):
-    """Decode -> prefill: where to write the piece (or why not)."""
+    """Decode -> prefill: where to write the piece (or why not); ``offset`` into the staging arena the decode
+    declared in its ``Hello``."""
 
     room: int
+    endpoint: _Endpoint
     req_id: int
     offset: int
     granted: bool
-    reason: str = ""
+    reason: _Reason = ""
 
 
 class Staged(msgspec.Struct, tag="staged", frozen=True):
@@ -237,7 +284,7 @@ class Staged(msgspec.Struct, tag="staged", frozen=True):
     """
 
     room: int
-    endpoint: str
+    endpoint: _Endpoint
     req_id: int
     offset: int
     nbytes: int
@@ -248,7 +295,7 @@ class Staged(msgspec.Struct, tag="staged", frozen=True):
     start: int
     count: int
     head_bytes: int
-    buffers: list[int]
+    buffers: Annotated[list[int], msgspec.Meta(max_length=MAX_BUFFERS)]
     stream: bool = False
     """A converted piece: tokens ``[dst_start, dst_start + n_pages)`` of the room, laid out (plane, token,
     head, byte) with heads ``[start, start+count)`` of ``heads``; the decode scatters it with its own
@@ -256,22 +303,25 @@ class Staged(msgspec.Struct, tag="staged", frozen=True):
 
 
 class StagedAck(msgspec.Struct, tag="staged_ack", frozen=True):
+    """Decode -> prefill: a staged piece was scattered into the room's pages (or why not)."""
+
     room: int
+    endpoint: _Endpoint
     req_id: int
     ok: bool
-    reason: str = ""
+    reason: _Reason = ""
 
 
 class Ping(msgspec.Struct, tag="ping", frozen=True):
     """Liveness probe; answered with :class:`Pong`."""
 
-    endpoint: str
+    endpoint: _Endpoint
     nonce: int
     incarnation: int = 0
 
 
 class Pong(msgspec.Struct, tag="pong", frozen=True):
-    endpoint: str
+    endpoint: _Endpoint
     nonce: int
     incarnation: int = 0
 
@@ -280,8 +330,8 @@ class Abort(msgspec.Struct, tag="abort", frozen=True):
     """Either direction: fail the room on the other side too."""
 
     room: int
-    endpoint: str
-    reason: str
+    endpoint: _Endpoint
+    reason: _Reason
     generation: int = 0
 
 
@@ -294,7 +344,7 @@ class Drained(msgspec.Struct, tag="drained", frozen=True):
     arrives."""
 
     room: int
-    endpoint: str
+    endpoint: _Endpoint
     settle_ms: int = 0
 
 
@@ -308,6 +358,10 @@ _decoder = msgspec.msgpack.Decoder(Message)
 
 
 def encode(msg: Message) -> bytes:
+    """``msg`` as msgpack; a reason over :data:`MAX_REASON` characters is cut to it (a peer would refuse it)."""
+    reason = getattr(msg, "reason", "")
+    if len(reason) > MAX_REASON:
+        msg = msgspec.structs.replace(msg, reason=reason[:MAX_REASON])
     return _encoder.encode(msg)
 
 
@@ -331,7 +385,6 @@ def _check_room(room: int) -> None:
 
 
 def _check_buffers(buffers: list[BufferSpec], what: str) -> None:
-    _check(len(buffers) <= _MAX_LIST, f"too many buffers: {what}")
     for b in buffers:
         _check(b.ptr > 0 and b.nbytes >= 0 and b.item_len > 0, f"bad buffer: {what} {b}")
         _check(b.ptr + b.nbytes < (1 << 64), f"buffer exceeds the address space: {what}")
@@ -357,12 +410,10 @@ def validate(msg: Message) -> None:
         _check(msg.aux_index >= -1, "bad aux index")
         _check(1 <= msg.required_dst_info_num <= 4096, "bad required_dst_info_num")
         for kind, idx in msg.state_indices.items():
-            _check(len(kind) <= 64 and len(idx) <= (1 << 24), "bad state indices")
-            _check(all(i >= 0 for i in idx), f"negative state index: {kind}")
+            _check(min(idx, default=0) >= 0, f"negative state index: {kind}")
     elif isinstance(msg, Status):
         _check_room(msg.room)
         _check(msg.status in (0, 1, 2, 3, 4), f"bad status: {msg.status}")
-        _check(len(msg.reason) <= 4096, "reason too long")
     elif isinstance(msg, AuxData):
         _check_room(msg.room)
         _check(msg.buffer >= 0 and msg.index >= 0, "bad aux buffer/index")
@@ -371,7 +422,6 @@ def validate(msg: Message) -> None:
         _check(0 <= msg.settle_ms <= _MAX_SETTLE_MS, "bad settle time")
     elif isinstance(msg, Abort):
         _check_room(msg.room)
-        _check(len(msg.reason) <= 4096, "reason too long")
     elif isinstance(msg, (StageRequest, StageGrant, StagedAck)):
         _check_room(msg.room)
         if isinstance(msg, StageRequest):
@@ -386,7 +436,7 @@ def validate(msg: Message) -> None:
         _check(msg.offset >= 0 and msg.nbytes > 0 and msg.dst_start >= 0 and msg.n_pages > 0, "bad staged piece")
         _check(msg.rows > 0 and msg.heads > 0 and msg.count > 0 and msg.head_bytes > 0, "bad staged geometry")
         _check(0 <= msg.start and msg.start + msg.count <= msg.heads, "bad staged head range")
-        _check((not msg.buffers if msg.stream else 0 < len(msg.buffers) <= _MAX_LIST)
+        _check((not msg.buffers if msg.stream else len(msg.buffers) > 0)
                and all(b >= 0 for b in msg.buffers), "bad staged buffers")
         per_buffer = msg.n_pages * msg.rows * msg.count * msg.head_bytes  # a stream: per plane, checked on scatter
         _check(msg.nbytes % per_buffer == 0 if msg.stream else msg.nbytes == len(msg.buffers) * per_buffer,
@@ -398,8 +448,6 @@ def validate(msg: Message) -> None:
             _check(0 <= r.tp_rank < msg.tp_size and 0 <= r.pp_rank < msg.pp_size and 0 <= r.cp_rank < msg.cp_size,
                    "rank out of range")
             _check(0 <= r.dp_rank < msg.dp_size <= 4096, "bad dp rank")
-        if isinstance(msg, Topology):
-            _check(len(msg.ranks) <= 65536, "too many ranks")
 
 
 def pack_indices(indices: np.ndarray) -> bytes:

@@ -79,6 +79,11 @@ class OrderedSender:
         self.sock = sock
         self._queue: deque[asyncio.Future[None]] = deque()
 
+    @property
+    def waiting(self) -> bool:
+        """Sends wait for room on this socket (closing it now would fail them)."""
+        return bool(self._queue)
+
     def try_send(self, frames: list[bytes]) -> bool:
         """Queue ``frames`` in libzmq now; False (nothing sent) when earlier sends wait or the queue is full.
         Raises :class:`zmq.ZMQError` for any other failure."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._config import KEY_ENDPOINT as KEY_ENDPOINT
+from ._config import KEY_ERROR as KEY_ERROR
 from ._config import KEY_ROOM as KEY_ROOM
 from ._config import ConnectorConfig as ConnectorConfig
 from ._config import concurrent_params as concurrent_params
@@ -19,7 +20,7 @@ from ._config import concurrent_params as concurrent_params
 if TYPE_CHECKING:
     from ._connector import AiotransferConnector as AiotransferConnector
 
-__all__ = ["KEY_ENDPOINT", "KEY_ROOM", "AiotransferConnector", "ConnectorConfig", "concurrent_params"]
+__all__ = ["KEY_ENDPOINT", "KEY_ERROR", "KEY_ROOM", "AiotransferConnector", "ConnectorConfig", "concurrent_params"]
 
 
 def __getattr__(name: str) -> Any:

@@ -19,12 +19,14 @@ from ...errors import ConfigError, InvalidArgument
 
 __all__ = ["CacheGroups", "ConnectorConfig", "RemotePrefill", "check_endpoint", "check_room", "concurrent_params",
            "prefill_room", "room_of", "FORGONE",
-           "NIXL_PROGRESS_DELAY_US", "KEY_ENDPOINT", "KEY_ROOM", "STATE_KIND"]
+           "NIXL_PROGRESS_DELAY_US", "KEY_ENDPOINT", "KEY_ERROR", "KEY_ROOM", "STATE_KIND"]
 
 KEY_ENDPOINT = "aiotransfer_endpoint"
 """``kv_transfer_params`` key: the prefill worker's control address (``tcp://host:port``)."""
 KEY_ROOM = "aiotransfer_room"
 """``kv_transfer_params`` key: the room both sides use for this request."""
+KEY_ERROR = "aiotransfer_error"
+"""``kv_transfer_params`` key of a prefill's answer that sends no KV: why (its decode computes the prompt)."""
 
 FORGONE = "the decode request needs no KV from this prefill (ended, or a local cache hit)"
 """The abort reason a decode gives a prefill room it will never ask for; the prefill frees its blocks."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import InvalidArgument
-from ._config import CacheGroups, ConnectorConfig, RemotePrefill, prefill_room, room_of
+from ._config import KEY_ERROR, KEY_ROOM, CacheGroups, ConnectorConfig, RemotePrefill, prefill_room, room_of
 
 __all__ = ["Orders", "RecvJob", "SchedulerSide", "SendJob"]
 
@@ -102,6 +102,8 @@ class SchedulerSide:
         self._endpoints: dict[int, str] = {}
         self._prefilling: dict[str, Any] = {}  # prefill requests not yet fully scheduled
         self._sending: dict[str, int] = {}  # req_id -> room: a worker holds a sender, blocks pinned
+        self._holders: dict[int, str] = {}  # room -> the req_id in _sending that holds it
+        self._refused: dict[str, str] = {}  # req_id -> why it sends nothing (its room is another's)
         self._receiving: dict[str, int] = {}  # req_id -> room: a worker holds a receiver, blocks pinned
         self._orders = Orders()
 
@@ -149,7 +151,8 @@ class SchedulerSide:
         if not params:
             return
         if params.get("do_remote_decode") and request.request_id not in self._sending:
-            self._prefilling[request.request_id] = request
+            if request.request_id not in self._refused:
+                self._prefilling[request.request_id] = request
             return
         if not RemotePrefill.wanted(params):
             return
@@ -182,7 +185,14 @@ class SchedulerSide:
                 continue
             room = self._sending.get(req_id)
             if room is None:
-                room = self._sending[req_id] = self._room(request)
+                room = self._room(request)
+                holder = self._holders.get(room)
+                if holder is not None:
+                    del self._prefilling[req_id]
+                    self._refuse(req_id, room, holder)
+                    continue
+                self._sending[req_id] = room
+                self._holders[room] = req_id
             groups = self._block_ids_of(req_id)
             pages = tuple(self._groups.pages(groups))
             if last:
@@ -207,9 +217,20 @@ class SchedulerSide:
             log.warning("request %s: %s; its KV is kept under the room of its request id", request.request_id, exc)
             return room_of(request.request_id)
 
+    def _refuse(self, req_id: str, room: int, holder: str) -> None:
+        """A room names one request at a time: ``req_id``'s, which ``holder`` still holds here, is refused. The
+        request sends nothing, and its answer names no room (:meth:`request_finished`): a decode that asked
+        for that room would be written the holder's KV."""
+        reason = (f"kv_transfer_params: {KEY_ROOM}={room} is the room of request {holder}, still in flight on "
+                  f"this prefill; a room names one request at a time (a router picks 63 random bits per request)")
+        log.warning("request %s: %s; its KV is not sent, its decode computes the prompt", req_id, reason)
+        self._refused[req_id] = reason
+
     def on_worker_output(self, finished_sending: Iterable[str], finished_recving: Iterable[str]) -> None:
         for req_id in finished_sending:
-            self._sending.pop(req_id, None)
+            room = self._sending.pop(req_id, None)
+            if room is not None and self._holders.get(room) == req_id:
+                del self._holders[room]
         for req_id in finished_recving:
             self._receiving.pop(req_id, None)
 
@@ -226,6 +247,9 @@ class SchedulerSide:
         req_id = request.request_id
         params = request.kv_transfer_params
         self._prefilling.pop(req_id, None)
+        refused = self._refused.pop(req_id, None)
+        if refused is not None:
+            return False, {"do_remote_prefill": False, "do_remote_decode": False, KEY_ERROR: refused}
         if req_id in self._sending:
             endpoint = self.endpoint
             if completed and endpoint is not None and block_ids:

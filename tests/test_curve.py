@@ -26,7 +26,7 @@ from aiotransfer import ConfigError, KVArgs, KVManager, PeerError, TransferConfi
 from aiotransfer.control.endpoint import ControlPlane, signed_frames
 from aiotransfer.control.messages import Ping, encode
 from tests.peer import make_buffers
-from tests.zmqtools import push, wait_until
+from tests.zmqtools import peak_rss_mib, push, wait_until
 
 KEY = b"a secret every manager of the deployment holds"
 FLOOD_FRAMES, FRAME = 96, 1 << 20
@@ -79,14 +79,6 @@ def _reset_peak() -> None:
         f.write("5")  # resets VmHWM to the current resident size
 
 
-def _peak_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmHWM in /proc/self/status")
-
-
 @contextlib.asynccontextmanager
 async def _manager(seed: int | None = 1, **cfg: Any) -> AsyncIterator[tuple[KVManager, list[np.ndarray]]]:
     bufs = make_buffers(2, 64, 1024, seed=seed)
@@ -98,7 +90,7 @@ async def _manager(seed: int | None = 1, **cfg: Any) -> AsyncIterator[tuple[KVMa
 async def _flood_peak(mgr: KVManager, settle: float, script: str = FLOOD) -> float:
     """Growth of this process's peak resident memory (MiB) while a host without the key floods ``mgr``."""
     _reset_peak()
-    base = _peak_mib()
+    base = peak_rss_mib()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-c", script, mgr.endpoint, str(FLOOD_FRAMES), str(FRAME), str(settle + 5),
         stdout=subprocess.PIPE)
@@ -110,7 +102,7 @@ async def _flood_peak(mgr: KVManager, settle: float, script: str = FLOOD) -> flo
         while loop.time() < end and not mgr.stats()["control_dropped"].get("message too large"):
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.2)
-        return _peak_mib() - base
+        return peak_rss_mib() - base
     finally:
         proc.kill()
         await proc.wait()

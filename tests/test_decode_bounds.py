@@ -29,6 +29,7 @@ from aiotransfer.control import messages as m
 from aiotransfer.control.endpoint import ControlPlane
 from aiotransfer.errors import ProtocolError
 from tests.peer import make_buffers
+from tests.zmqtools import peak_rss_mib
 
 MiB = 1 << 20
 DEFAULT_BOUND = TransferConfig().max_message_bytes
@@ -176,23 +177,15 @@ class _UnboundedRequest(msgspec.Struct, tag="req"):
     state_indices: dict[str, list[int]] = {}
 
 
-def _peak_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmHWM in /proc/self/status")
-
-
 def _cost(decode: Callable[[bytes], Any], data: bytes) -> tuple[float, float]:
     """Seconds, and growth of this process's peak resident memory (MiB), of ``decode(data)``, refused or not."""
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current resident size
-    base, t0, out = _peak_mib(), time.perf_counter(), None
+    base, t0, out = peak_rss_mib(), time.perf_counter(), None
     with contextlib.suppress(ProtocolError, msgspec.ValidationError):
         out = decode(data)
-    seconds, grown = time.perf_counter() - t0, _peak_mib() - base
+    seconds, grown = time.perf_counter() - t0, peak_rss_mib() - base
     del out
     return seconds, grown
 

@@ -1,4 +1,4 @@
-"""Small helpers for control-plane tests: a raw PUSH to a manager, and a bounded wait."""
+"""Small helpers for control-plane tests: a raw PUSH to a manager, a bounded wait, this process's peak RSS."""
 
 from __future__ import annotations
 
@@ -26,3 +26,12 @@ async def wait_until(pred: Callable[[], object], timeout: float = 5.0) -> None:
     while not pred():
         assert loop.time() < end, "condition not reached"
         await asyncio.sleep(0.01)
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far (``VmHWM``), in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM in /proc/self/status")

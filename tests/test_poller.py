@@ -601,3 +601,35 @@ async def test_an_abandoned_write_gives_its_credit_back_exactly_once() -> None:
         fabric.hang_handshakes(False)
         await poller.aclose(1.0)
         driver.close()
+
+
+async def test_a_write_of_thousands_of_slices_costs_linear_work() -> None:
+    """A write of 2,048 slices (one handle each, posted from the loop) to one peer: while they run, each poll
+    round asks about a few of the oldest only, so a round costs the same however deep the queue (2,048
+    handles asked about each round would cost 2,048 checks). The negative control asks about every handle."""
+    slices = 2048
+
+    async def per_round(ahead: int) -> float:
+        engine, driver = HeldEngine(), Driver("poller-test")
+        poller = Poller(cast(TransferEngine, engine), driver, max_in_flight=1 << 20, max_batch=1,
+                        interval_min=0.0001, interval_max=0.001, expire_after=60.0)
+        saved = _poller._AHEAD
+        _poller._AHEAD = ahead
+        try:
+            write = asyncio.ensure_future(poller.write("peer", _one_entry(-slices), timeout=30))
+            await _until(lambda: poller.in_flight == slices, 20)
+            before = engine.checks
+            await asyncio.sleep(WATCH_S)  # timed rounds, about one a millisecond
+            rounds = WATCH_S / 0.001
+            asked = engine.checks - before
+            engine.released = True
+            await asyncio.wait_for(write, 20)
+            assert poller.completed == slices
+            return asked / rounds
+        finally:
+            _poller._AHEAD = saved
+            await poller.aclose(1.0)
+            driver.close()
+
+    bounded, unbounded = await per_round(_poller._AHEAD), await per_round(1 << 30)
+    assert unbounded > 20 * bounded, (bounded, unbounded)

@@ -298,6 +298,10 @@ class KVSender(RoomSide):
                       timeout: float | None = None) -> None:
         """Send the pages ``indices`` (local page indices) as the next chunk.
 
+        ``indices``: a 1-D integer array (NumPy, or anything ``np.asarray`` reads without a copy, such as a
+        CPU torch tensor) is used as it is; a Python list is converted first, which costs about 50 ns a page
+        on the event loop (0.8 ms for 16,384 pages): give large rooms as arrays.
+
         Chunks fill consecutive slices of the decode's page list. With ``last=True`` (default) the chunk
         must complete the list; the room then concludes Success once aux/state declared by decode have
         been delivered too. ``timeout`` bounds the whole call, the conclusion included. Raises

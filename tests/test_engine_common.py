@@ -450,3 +450,35 @@ def test_a_mooncake_write_of_many_entries_asks_only_its_oldest_running_ones() ->
     native.end(100 + n - 1)
     asked.clear()
     assert engine.check(handle) is EngineStatus.DONE and asked == [100 + n - 1]
+
+
+def test_a_mooncake_round_costs_the_window_whatever_the_length_of_the_write() -> None:
+    """Entries that end out of order are never asked again, and a round over a write of 2,000 entries asks
+    the window of running entries plus those that ended since the last round, not every entry before them."""
+    from aiotransfer.engines.base import EngineStatus
+
+    native = _Native()
+    engine = _mooncake_over(native)
+    asked: list[int] = []
+    check = native.transfer_check_status
+
+    def counting(bid: int) -> int:
+        asked.append(bid)
+        return check(bid)
+
+    native.transfer_check_status = counting  # type: ignore[method-assign]
+    n, window = 2000, mc._CHECK_WINDOW
+    handle = engine.submit_write("peer", _blocks(n))
+    native.end(101)  # ends out of order, inside the window
+    assert engine.check(handle) is EngineStatus.PENDING and len(asked) == window + 1
+    for k in range(0, 1500):
+        if k != 1:
+            native.end(100 + k)
+    asked.clear()
+    assert engine.check(handle) is EngineStatus.PENDING
+    assert 101 not in asked and len(asked) == 1499 + window  # each ended entry once, then the window
+    asked.clear()
+    assert engine.check(handle) is EngineStatus.PENDING and len(asked) == window
+    for k in range(1500, n):
+        native.end(100 + k)
+    assert engine.check(handle) is EngineStatus.DONE and native.freed == set(range(100, 100 + n))

@@ -15,7 +15,15 @@ import numpy as np
 import pytest
 
 from aiotransfer._cli.suite import report
-from aiotransfer._cli.suite.common import ALL_PHASES, ENGINES, aux_pattern, make_params, tp_bad_pages, tp_fill
+from aiotransfer._cli.suite.common import (
+    ALL_PHASES,
+    ENGINES,
+    OPT_IN_PHASES,
+    aux_pattern,
+    make_params,
+    tp_bad_pages,
+    tp_fill,
+)
 from aiotransfer._cli.workload import KVPool
 from tests.conftest import nixl_available
 
@@ -48,7 +56,7 @@ def test_full_suite_tiny_writes_json_and_plots(tiny_run: tuple[Path, dict[str, A
     expected = {"mooncake_tcp"} | ({"nixl_shm", "nixl_tcp"} if nixl_available() else set())
     assert set(res["engines"]) == expected
     for key, eng in res["engines"].items():
-        assert set(eng["phases"]) == set(ENGINES[key].phases), key
+        assert set(eng["phases"]) == set(ENGINES[key].phases) - set(OPT_IN_PHASES), key  # opt-in phases: when named
         for phase, r in eng["phases"].items():
             assert "error" not in r, (key, phase, r.get("error"))
     if nixl_available():
@@ -205,6 +213,8 @@ def test_params_scales() -> None:
     assert set(ALL_PHASES) == {"ceilings"} | {p for e in ENGINES.values() for p in e.phases}
     assert type(full).from_json(full.to_json()) == full
     assert full.engine_threads == "normal"
+    assert full.cpu_buffers == 64 and full.cpu_pages == [1, 64, 4096] and full.cpu_reps == [200, 200, 30]
+    assert full.cpu_layer_pages == 256 and len(tiny.cpu_pages) == len(tiny.cpu_reps)
     bg = make_params(quick=True, tiny=False, repeats=None, seed=0, host="127.0.0.1", phases=["lag"],
                      engine_threads="background")
     assert type(bg).from_json(bg.to_json()).engine_threads == "background"
@@ -321,3 +331,111 @@ def test_floor_breakdown_from_marks() -> None:
     side = {(r["from"], r["to"]): r for r in bd["side"]}
     assert side[("request_send", "request_sent")]["n"] == 1 and side[("request_send", "request_sent")]["p50_us"] == 7.0
     assert side[("engine_done", "success_out")]["n"] == 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# library CPU per call
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_cpu_phase_tiny_on_both_engines(tmp_path: Path) -> None:
+    """The library's CPU per call next to the raw engine's for the same entries, on every engine that runs here;
+    the profiled call's breakdown; the tables."""
+    from aiotransfer._cli.suite.cpu_profile import CATEGORIES
+
+    engines = ["mooncake_tcp", *(["nixl_shm"] if nixl_available() else [])]
+    out = tmp_path / "cpu.json"
+    proc = _bench("--tiny", "--engines", ",".join(engines), "--phases", "cpu", "--out", str(out), "--img-dir", "",
+                  timeout=50)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    p = res["params"]
+    assert set(res["engines"]) == set(engines)
+    for key in engines:
+        cpu = res["engines"][key]["phases"]["cpu"]
+        assert set(res["engines"][key]["phases"]) == {"cpu"} and "error" not in cpu, cpu.get("error")
+        calls = cpu["calls"]
+        assert set(calls) == {f"send_kv:{n}" for n in p["cpu_pages"]} | {"send_layers"}
+        for n, reps in zip(p["cpu_pages"], p["cpu_reps"], strict=True):
+            c = calls[f"send_kv:{n}"]
+            assert c["entries"] == n * p["cpu_buffers"] and c["library"]["n"] == c["raw"]["n"] == reps
+        lay = calls["send_layers"]
+        assert lay["entries"] == 2 * p["cpu_layer_pages"] and lay["library"]["n"] >= p["cpu_layer_reps"]
+        for c in calls.values():
+            lib, raw = c["library"], c["raw"]
+            assert lib["library_us"] > 0 and lib["loop_us"] > 0 and lib["wall_us"] > 0
+            assert raw["raw_us"] > 0 and raw["wall_us"] > 0 and len(raw["samples_us"]) == raw["n"]
+            assert c["diff_us"] == pytest.approx(lib["library_us"] - raw["raw_us"], abs=0.2)
+            assert c["ratio"] == pytest.approx(lib["library_us"] / raw["raw_us"], abs=0.01)
+        biggest = calls[f"send_kv:{max(p['cpu_pages'])}"]
+        conv = biggest["library_list"]["conversion"]
+        assert biggest["library_list"]["library_us"] > 0 and conv["list_us"] > 0 and conv["array_us"] > 0
+        bd = cpu["breakdown"]
+        assert set(bd["estimate_us"]) == set(CATEGORIES) and sum(bd["estimate_us"].values()) > 0
+        assert sum(bd["threads"]["loop"]["shares"].values()) == pytest.approx(1.0, abs=0.01)
+    assert "9 library CPU" in proc.stdout and "Library CPU per call" in proc.stdout
+    assert "Where the library's CPU goes" in proc.stdout
+    md = (tmp_path / "cpu.md").read_text()
+    assert "| library CPU | raw CPU |" in md and "| checks and planning |" in md
+
+
+def test_thread_clocks_group_by_thread() -> None:
+    """CPU time of a thread named like the engine's driver lands in the driver group, and only there."""
+    import threading
+    import time
+
+    from aiotransfer._cli.suite.cpu import GROUPS, ThreadClocks
+
+    clocks = ThreadClocks()
+    go, stop = threading.Event(), threading.Event()
+
+    def spin() -> None:
+        go.wait(5)
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.03:
+            pass
+        stop.wait(5)
+
+    t = threading.Thread(target=spin, name="aiotransfer-driver-test")
+    t.start()
+    try:
+        before = clocks.read()
+        go.set()
+        time.sleep(0.1)
+        d = clocks.delta(before, clocks.read())
+    finally:
+        stop.set()
+        t.join(5)
+    assert set(d) == set(GROUPS)
+    assert d["driver"] >= 25_000_000 and d["offload"] < 5_000_000
+
+
+def test_cpu_profile_categories_follow_callers() -> None:
+    """A function outside the library takes the category of its callers; the engine's calls and the harness
+    are told apart by where they live."""
+    from aiotransfer._cli.suite.cpu_profile import COMPLETION, ENGINE, HARNESS, PLANNING, ROOT, categorize
+
+    lib = "/x/aiotransfer/"
+    send = (lib + "sender.py", 1, "send_kv")
+    plan = (lib + "plan.py", 2, "plan_blocks")
+    check = (lib + "engines/mooncake.py", 3, "check")
+    submit = ("~", 0, "<built-in method mooncake.engine.transfer_submit_write>")
+    astype = ("~", 0, "<method 'astype' of 'numpy.ndarray' objects>")
+    loop = ("/usr/lib/python3.11/asyncio/base_events.py", 4, "_run_once")
+    stop = (lib + "_cli/suite/cpu_profile.py", 5, "stop")
+    stats = {
+        send: (1, 1, 0.001, 0.01, {loop: (1, 1, 0.001, 0.01)}),
+        plan: (1, 1, 0.002, 0.003, {send: (1, 1, 0.002, 0.003)}),
+        astype: (2, 2, 0.004, 0.004, {plan: (1, 1, 0.001, 0.001), check: (1, 1, 0.003, 0.003)}),
+        check: (1, 1, 0.005, 0.008, {loop: (1, 1, 0.005, 0.008)}),
+        submit: (9, 9, 0.007, 0.007, {send: (9, 9, 0.007, 0.007)}),
+        loop: (1, 1, 0.0005, 0.02, {}),
+        stop: (1, 1, 0.0002, 0.0002, {}),
+    }
+    out = categorize(stats, top=3)
+    sec = out["seconds"]
+    assert sec[PLANNING] == pytest.approx(0.001 + 0.002 + 0.001)
+    assert sec[COMPLETION] == pytest.approx(0.005 + 0.003)
+    assert sec[ENGINE] == pytest.approx(0.007)
+    assert sec[ROOT] == pytest.approx(0.0005) and sec[HARNESS] == pytest.approx(0.0002)
+    assert [row[0] for row in out["top"]] == [submit[2], "engines/mooncake.py:3(check)", astype[2]]
+    assert [row[2] for row in out["top"]] == [ENGINE, COMPLETION, COMPLETION]  # astype: mostly under check

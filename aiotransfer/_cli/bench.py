@@ -517,7 +517,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="engine configurations, comma-separated (default mooncake_tcp,nixl_shm,nixl_tcp; each "
                            "runs in its own pair of processes)")
     full.add_argument("--phases", default=None,
-                      help="subset of ceilings,throughput,scattered,lag,concurrency,e2e,floor,aux,tp (default all)")
+                      help="subset of ceilings,throughput,scattered,lag,concurrency,e2e,floor,aux,tp,cpu (default "
+                           "all but cpu, which runs only when named)")
     full.add_argument("--img-dir", default="docs/img", help="where the PNG plots go (default docs/img; '' for none)")
     full.add_argument("--replot", metavar="JSON", default=None,
                       help="re-derive the table and plots from a saved --suite full JSON (runs nothing)")

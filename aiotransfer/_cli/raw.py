@@ -7,12 +7,14 @@ and is timed inside that thread, around the native calls.
 * the default ``bench`` (figures (a)-(c), Mooncake only): :data:`RAW_STYLES`, one function per native call
   style, over batches of (src, dst, length) lists; :func:`native_engine` hands out the native object;
 * ``bench --suite full`` (Mooncake and NIXL): :class:`RawEngine` and its drivers, from :func:`raw_engine`.
+  :meth:`RawEngine.drain` also measures the calling thread's CPU time (the ``cpu`` phase).
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -132,6 +134,7 @@ class RawEngine:
     single_styles: tuple[str, ...] = ()
     same_call: str = ""
     batch_style: str = ""
+    drain_style: str = ""
 
     def single(self, style: str, src: int, dst: int, n: int) -> float:
         raise NotImplementedError
@@ -145,11 +148,18 @@ class RawEngine:
     def inflight(self, src: U64, dst: U64, length: U64, depth: int) -> tuple[float, list[float]]:
         raise NotImplementedError
 
+    def drain(self, src: U64, dst: U64, length: U64, window: int, pause: float) -> tuple[float, float]:
+        """Every entry posted, at most ``window`` in flight, and polled to completion, sleeping ``pause``
+        seconds after a poll that completed nothing (no spinning): ``(wall seconds, CPU seconds of this
+        thread)``, both from the arrays given to the end of the last entry."""
+        raise NotImplementedError
+
 
 class RawMooncake(RawEngine):
     single_styles = ("transfer_submit_write+check_status every 0.5 ms", "batch_transfer_sync_write")
     same_call = "transfer_submit_write+check_status every 0.5 ms"
     batch_style = "batch_transfer_async_write+get_batch_transfer_status, <=1024 entries per batch"
+    drain_style = "transfer_submit_write per entry, transfer_check_status oldest first"
 
     def __init__(self, native: Any, target: str) -> None:
         self.e = native
@@ -225,12 +235,42 @@ class RawMooncake(RawEngine):
             pending = still
         return clock() - t_start, lat
 
+    def drain(self, src: U64, dst: U64, length: U64, window: int, pause: float) -> tuple[float, float]:
+        """Entry by entry (``transfer_submit_write``, the adapter's call; the binding's batch status spins),
+        each polled with ``transfer_check_status`` oldest first, a poll stopping at the first still running."""
+        e, t = self.e, self.target
+        submit, status = e.transfer_submit_write, e.transfer_check_status
+        c0, w0 = time.thread_time(), time.perf_counter()
+        s, d, n = src.tolist(), dst.tolist(), length.tolist()
+        pending: deque[int] = deque()
+        nxt, total = 0, len(s)
+        while nxt < total or pending:
+            while nxt < total and len(pending) < window:
+                bid = submit(t, s[nxt], d[nxt], n[nxt])
+                if not bid:
+                    raise RuntimeError("transfer_submit_write refused")
+                pending.append(bid)
+                nxt += 1
+            progressed = False
+            while pending:
+                rc = status(pending[0])
+                if rc == 0:
+                    break
+                pending.popleft()  # 1 and -1 free the id: never asked again
+                if rc != 1:
+                    raise RuntimeError(f"transfer_check_status -> {rc}")
+                progressed = True
+            if pending and not progressed:
+                time.sleep(pause)
+        return time.perf_counter() - w0, time.thread_time() - c0
+
 
 class RawNixl(RawEngine):
     single_styles = ("initialize_xfer+transfer+check_xfer_state spin",
                      "initialize_xfer+transfer+check_xfer_state every 0.5 ms")
     same_call = "initialize_xfer+transfer+check_xfer_state spin"
     batch_style = "one xfer per batch of <=1024 descriptors"
+    drain_style = "one xfer per window of entries (get_xfer_descs, initialize_xfer, transfer), check_xfer_state"
 
     def __init__(self, agent: Any, remote: str, device_id: int | None = None) -> None:
         self.a = agent
@@ -310,6 +350,15 @@ class RawNixl(RawEngine):
                 time.sleep(0)
             pending = still
         return clock() - t_start, lat
+
+    def drain(self, src: U64, dst: U64, length: U64, window: int, pause: float) -> tuple[float, float]:
+        """One xfer per ``window`` entries (descriptors, ``initialize_xfer``, ``transfer``), one after the
+        other, each polled with ``check_xfer_state`` and released."""
+        c0, w0 = time.thread_time(), time.perf_counter()
+        for i in range(0, src.size, window):
+            sl = slice(i, i + window)
+            self._finish(*self._post(src[sl], dst[sl], length[sl]), pause)
+        return time.perf_counter() - w0, time.thread_time() - c0
 
 
 def raw_engine(mgr: Any, target: str, device_id: int | None = None) -> RawEngine:

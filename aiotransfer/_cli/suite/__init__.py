@@ -38,6 +38,11 @@ Phases (per engine configuration; see ``ENGINES`` for which run where):
 * ``tp``: a Llama-8B-shaped request moved from prefill TP 4 (4 managers in the prefill worker: one
   Mooncake engine per process is shared) to decode TP 2 (2 managers in the decode worker), head-sliced,
   ``staging="never"`` (one entry per token per layer buffer per head slice) vs ``staging="always"``.
+* ``cpu`` (only when named in ``--phases``): the library's CPU time per call on the prefill side (the loop
+  thread, the engine's driver and the offload threads) for ``send_kv`` of 1, 64 and 4,096 scattered pages
+  over 64 buffers and one ``send_layers`` call, against the raw engine's CPU time for the same entries,
+  and a profiled call's breakdown (:mod:`~aiotransfer._cli.suite.cpu`, tables in
+  :mod:`~aiotransfer._cli.suite.cpu_report`).
 
 The orchestrator merges the results, evaluates the targets and draws the plots
 (:mod:`aiotransfer._cli.suite.report`).
@@ -46,7 +51,9 @@ Modules: :mod:`~aiotransfer._cli.suite.common` (engine configurations, parameter
 patterns), :mod:`~aiotransfer._cli.suite.ceilings`, :mod:`~aiotransfer._cli.suite.decode` (the decode
 worker), :mod:`~aiotransfer._cli.suite.context` (what the phases share on the prefill side), the phases
 (:mod:`~aiotransfer._cli.suite.bulk`, :mod:`~aiotransfer._cli.suite.latency`,
-:mod:`~aiotransfer._cli.suite.floor`, :mod:`~aiotransfer._cli.suite.tp`),
+:mod:`~aiotransfer._cli.suite.floor`, :mod:`~aiotransfer._cli.suite.tp`, :mod:`~aiotransfer._cli.suite.cpu` with
+:mod:`~aiotransfer._cli.suite.cpu_profile`),
 :mod:`~aiotransfer._cli.suite.worker` (the workers' entry point), :mod:`~aiotransfer._cli.suite.run` (the
-orchestrator), :mod:`~aiotransfer._cli.suite.report` and :mod:`~aiotransfer._cli.suite.floor_report`.
+orchestrator), :mod:`~aiotransfer._cli.suite.report`, :mod:`~aiotransfer._cli.suite.floor_report` and
+:mod:`~aiotransfer._cli.suite.cpu_report`.
 """

@@ -22,6 +22,7 @@ __all__ = [
     "TIMEOUT",
     "ROOM0",
     "ALL_PHASES",
+    "OPT_IN_PHASES",
     "ENGINES",
     "EngineSpec",
     "Params",
@@ -59,16 +60,18 @@ class EngineSpec:
     phases: tuple[str, ...]
 
 
-ALL_PHASES = ("ceilings", "throughput", "scattered", "lag", "concurrency", "e2e", "floor", "aux", "tp")
+ALL_PHASES = ("ceilings", "throughput", "scattered", "lag", "concurrency", "e2e", "floor", "aux", "tp", "cpu")
+OPT_IN_PHASES = ("cpu",)
+"""Phases that run only when named in ``--phases`` (minutes at full size)."""
 
 ENGINES: dict[str, EngineSpec] = {
     "mooncake_tcp": EngineSpec(
         "mooncake_tcp", "mooncake_tcp", "Mooncake TCP", {}, (),
-        ("throughput", "scattered", "lag", "concurrency", "e2e", "floor", "aux", "tp"),
+        ("throughput", "scattered", "lag", "concurrency", "e2e", "floor", "aux", "tp", "cpu"),
     ),
     "nixl_shm": EngineSpec(
         "nixl_shm", "nixl", "NIXL UCX (default TLS: shm)", {}, ("UCX_TLS",),
-        ("throughput", "scattered", "lag", "concurrency", "e2e", "floor", "aux"),
+        ("throughput", "scattered", "lag", "concurrency", "e2e", "floor", "aux", "cpu"),
     ),
     "nixl_tcp": EngineSpec(
         "nixl_tcp", "nixl", "NIXL UCX_TLS=tcp", {"UCX_TLS": "tcp"}, (),
@@ -118,6 +121,20 @@ class Params:
     """``TransferConfig.nixl_progress_delay_us`` of every manager of the run, on both sides."""
     yield_after_notify: bool = True
     """``TransferConfig.yield_after_notify`` of every manager of the run, on both sides."""
+    cpu_buffers: int = 64
+    """``cpu``: KV buffers of both sides (K then V of ``cpu_buffers // 2`` layers)."""
+    cpu_page_bytes: int = 2048
+    """``cpu``: bytes of one page of one buffer (one token of 8 KV heads x 128 in bf16)."""
+    cpu_pages: list[int] = field(default_factory=lambda: [1, 64, 4096])
+    """``cpu``: pages of the timed ``send_kv`` rooms; the largest is also sent as a Python list."""
+    cpu_reps: list[int] = field(default_factory=lambda: [200, 200, 30])
+    """``cpu``: timed calls of each of ``cpu_pages`` (and as many raw writes, alternating)."""
+    cpu_layer_pages: int = 256
+    """``cpu``: pages of the streamed chunk; one ``send_layers`` call moves one layer (2 buffers)."""
+    cpu_layer_reps: int = 200
+    """``cpu``: timed ``send_layers`` calls (the calls that complete a chunk are not counted)."""
+    cpu_gap: float = 0.002
+    """``cpu``: seconds of idle before each timed call, so that the previous one's aftermath is over."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -141,7 +158,8 @@ def make_params(*, quick: bool, tiny: bool, repeats: int | None, seed: int, host
             scale="tiny", repeats=1, sizes=[64 * KIB, MIB], sizes_nixl_tcp=[MIB], scattered_pages=512,
             lag_seconds=0.25, lag_inflight=4, lag_size=MIB, conc_levels=[1, 8], conc_size=64 * KIB,
             conc_requests=16, e2e_reps=10, floor_rounds=1, floor_reps=3, aux_reps=10, tp_tokens=64, tp_layers=2,
-            tp_always_repeats=1,
+            tp_always_repeats=1, cpu_buffers=4, cpu_pages=[1, 8, 64], cpu_reps=[6, 6, 3], cpu_layer_pages=16,
+            cpu_layer_reps=6,
         )
     elif quick:
         p = Params(
@@ -149,7 +167,7 @@ def make_params(*, quick: bool, tiny: bool, repeats: int | None, seed: int, host
             scattered_pages=2_000, lag_seconds=0.6, lag_inflight=8, lag_size=4 * MIB, conc_levels=[1, 16, 256],
             conc_size=256 * KIB, conc_requests=256, e2e_reps=40, floor_rounds=4, floor_reps=15, aux_reps=40,
             tp_tokens=512, tp_layers=4,
-            tp_always_repeats=1,
+            tp_always_repeats=1, cpu_pages=[1, 64, 1024], cpu_reps=[40, 40, 10], cpu_layer_reps=40,
         )
     else:
         p = Params()

@@ -9,7 +9,7 @@ import contextlib
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -40,7 +40,8 @@ class DecodeClient:
 
 @dataclass
 class Flat:
-    """Prefill side of a one-buffer setup (one or more managers) and what the decode reported."""
+    """Prefill side of a setup of flat pages (one or more managers; one buffer unless asked for more) and
+    what the decode reported."""
 
     name: str
     pools: list[KVPool]
@@ -51,6 +52,8 @@ class Flat:
     session: str
     endpoint: str
     dst_base: int
+    dst_bases: list[int] = field(default_factory=list)
+    """The decode's base of every buffer (``dst_base`` is the first)."""
 
     @property
     def src_base(self) -> int:
@@ -90,23 +93,26 @@ class Ctx:
 
     async def flat(self, name: str, *, pages: int, page_bytes: int, n: int = 1,
                    cfgs: Sequence[dict[str, Any]] | None = None, aux_slots: int = 0,
-                   aux_bytes: int = 0) -> Flat:
+                   aux_bytes: int = 0, nbuf: int = 1, num_layers: int = 0) -> Flat:
+        """``n`` managers over ``nbuf`` buffers of ``pages`` pages each (``num_layers``: buffer ``b`` holds layer
+        ``b % num_layers``, for layer streaming), and one decode manager of the same shape."""
         pools: list[KVPool] = []
         mgrs: list[Any] = []
         auxes: list[npt.NDArray[np.uint8]] = []
         try:
             for i in range(n):
-                pool = KVPool(1, pages, (page_bytes // 2,))
+                pool = KVPool(nbuf, pages, (page_bytes // 2,))
                 await self.off(pool.prefault)
                 aux = np.zeros((aux_slots, aux_bytes), dtype=np.uint8) if aux_slots else None
-                args = KVArgs(pool.buffers, page_size=1, dtype="uint16", aux_buffers=[aux] if aux is not None else ())
+                args = KVArgs(pool.buffers, page_size=1, dtype="uint16", aux_buffers=[aux] if aux is not None else (),
+                              num_layers=num_layers)
                 cfg = self.config(**(cfgs[i] if cfgs else {}))
                 mgrs.append(await asyncio.wait_for(KVManager(args, cfg).start(), 60.0))
                 pools.append(pool)
                 if aux is not None:
                     auxes.append(aux)
             info = await self.dec.call("setup", name=name, kind="flat", pages=pages, page_bytes=page_bytes,
-                                       aux_slots=aux_slots, aux_bytes=aux_bytes)
+                                       aux_slots=aux_slots, aux_bytes=aux_bytes, nbuf=nbuf, num_layers=num_layers)
         except BaseException:
             for m in mgrs:
                 with contextlib.suppress(Exception):
@@ -115,7 +121,7 @@ class Ctx:
         if self.describe is None:
             self.describe = {"prefill": mgrs[0].describe(), "decode": info["describe"]}
         return Flat(name, pools, mgrs, auxes, page_bytes, pages, info["sessions"][0], info["endpoints"][0],
-                     info["bases"][0][0])
+                    info["bases"][0][0], list(info["bases"][0]))
 
     async def close(self, f: Flat) -> None:
         for m in f.mgrs:
@@ -125,8 +131,13 @@ class Ctx:
             await self.dec.call("teardown", name=f.name)
 
     async def arm(self, name: str, batch: str, rooms: list[int], peer: str, *, dst: Any = None,
-                  dsts: Sequence[Any] | None = None, aux: list[int] | None = None) -> None:
+                  dsts: Sequence[Any] | None = None, aux: list[int] | None = None,
+                  timeout: float | None = None) -> None:
+        """The decode posts ``rooms`` (``send_metadata``) and waits for them in the background, each for at most
+        ``timeout`` seconds (the decode's default when None); :meth:`collect` gathers the outcome."""
         kw: dict[str, Any] = {}
+        if timeout is not None:
+            kw["timeout"] = timeout
         if dsts is not None:
             kw["dsts"] = [np.asarray(d).tolist() for d in dsts]
         else:

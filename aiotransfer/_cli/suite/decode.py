@@ -74,12 +74,12 @@ async def decode_worker(ns: argparse.Namespace) -> int:
         geo: dict[str, Any] = dict(cmd)
         try:
             if cmd["kind"] == "flat":
-                pool = KVPool(1, cmd["pages"], (cmd["page_bytes"] // 2,))
+                pool = KVPool(int(cmd.get("nbuf", 1)), cmd["pages"], (cmd["page_bytes"] // 2,))
                 await off(pool.prefault)
                 aux = (np.zeros((cmd["aux_slots"], cmd["aux_bytes"]), dtype=np.uint8) if cmd.get("aux_slots")
                        else None)
                 args = KVArgs(pool.buffers, page_size=1, dtype="uint16",
-                              aux_buffers=[aux] if aux is not None else ())
+                              aux_buffers=[aux] if aux is not None else (), num_layers=int(cmd.get("num_layers", 0)))
                 mgrs.append(await asyncio.wait_for(KVManager(args, cfg).start(), 60.0))
                 pools.append(pool)
                 if aux is not None:

@@ -283,6 +283,14 @@ def evaluate(res: dict[str, Any]) -> list[dict[str, Any]]:
         if s:
             rows.append(_row("8 engines", e, "scattered: aiotransfer vs raw page-by-page / vs raw contiguous",
                              s["ratio_vs_raw_pages"], "{:.1f}x / " + f"{s['ratio_vs_raw_contiguous']:.2f}", "-", None))
+    for e in _engines(res):
+        cpu = _phase(res, e, "cpu")
+        for c in (cpu or {}).get("calls", {}).values():
+            pages = f"{c['pages']:,} page{'s' if c['pages'] != 1 else ''}"
+            what = f"send_kv {pages}" if c["call"] == "send_kv" else f"send_layers, 1 layer of {pages}"
+            rows.append(_row("9 library CPU", e, f"{what} ({c['entries']:,} entries): library / raw CPU per call",
+                             _num(c["ratio"]), "{:.2f} " + f"({c['library']['library_us']:,.0f} vs "
+                             f"{c['raw']['raw_us']:,.0f} us)", "-", None))
     for e, eres in res.get("engines", {}).items():
         if eres.get("error"):
             rows.append({"figure": "-", "engine": e, "metric": f"engine pair failed: {eres['error']}"[:160],

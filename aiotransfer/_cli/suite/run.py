@@ -17,7 +17,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ..channel import Child
-from . import floor_report, report
+from . import cpu_report, floor_report, report
 from .common import ALL_PHASES, ENGINES, MIB, EngineSpec, Params, make_params
 
 __all__ = ["run_suite"]
@@ -141,8 +141,9 @@ def run_suite(ns: argparse.Namespace) -> int:
         except ImportError as exc:
             print(f"plots skipped: {exc} (pip install matplotlib)", file=sys.stderr)
     print(report.table(res))
-    if floor_report.table(res):
-        print("\n" + floor_report.table(res))
+    for extra in (floor_report.table(res), cpu_report.table(res)):
+        if extra:
+            print("\n" + extra)
     if not ns.replot or ns.out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out + ".tmp", "w") as fh:
@@ -152,8 +153,9 @@ def run_suite(ns: argparse.Namespace) -> int:
         md = os.path.splitext(out)[0] + ".md"
         with open(md, "w") as fh:
             fh.write(report.markdown_table(res) + "\n")
-            if floor_report.markdown(res):
-                fh.write("\n" + floor_report.markdown(res) + "\n")
+            for extra in (floor_report.markdown(res), cpu_report.markdown(res)):
+                if extra:
+                    fh.write("\n" + extra + "\n")
         print(f"results written to {out} (table for the docs: {md})")
     if ns.img_dir and res.get("images"):
         print(f"plots written to {ns.img_dir}: {', '.join(os.path.basename(x) for x in res['images'])}")

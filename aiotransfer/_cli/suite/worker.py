@@ -16,8 +16,9 @@ from typing import Any
 
 from ..channel import Child, open_parent_channel
 from .bulk import phase_ceilings, phase_concurrency, phase_lag, phase_scattered, phase_throughput
-from .common import ENGINES, Params
+from .common import ENGINES, OPT_IN_PHASES, Params
 from .context import Ctx, DecodeClient
+from .cpu import phase_cpu
 from .decode import decode_worker
 from .floor import phase_floor
 from .latency import phase_aux, phase_e2e
@@ -36,6 +37,7 @@ PHASES: dict[str, Callable[[Ctx], Awaitable[dict[str, Any]]]] = {
     "floor": phase_floor,
     "aux": phase_aux,
     "tp": phase_tp,
+    "cpu": phase_cpu,
 }
 
 
@@ -44,7 +46,7 @@ async def prefill_worker(ns: argparse.Namespace) -> int:
     spec = ENGINES[ns.engine_key]
     params = Params.from_json(ns.params)
     phases = [x for x in (("ceilings",) if ns.ceilings else ()) + spec.phases
-              if params.phases is None or x in params.phases]
+              if (x not in OPT_IN_PHASES if params.phases is None else x in params.phases)]
     child = await Child.spawn("aiotransfer._cli.suite.worker", ["--engine-key", spec.key, "--params", ns.params])
     ctx = Ctx(spec, params, DecodeClient(child), chan)
     results: dict[str, Any] = {"engine": spec.engine, "label": spec.label, "ucx_tls": os.environ.get("UCX_TLS"),

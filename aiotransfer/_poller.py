@@ -1,8 +1,9 @@
 """The async poll loop: owns every in-flight engine handle and turns it into an awaitable.
 
 * Handles are polled from the event loop (``check`` never waits for a lock): yielding (``sleep(0)``)
-  between polls while one or two transfers (or at most 1 MiB) progress, timed sleeps
-  (``poll_interval_min``..``max``) when more is queued (``_SPIN_DEPTH``, ``_SPIN_BYTES``) or after
+  between polls while one or two transfers (or at most 1 MiB) of at most 16 entries progress, timed sleeps
+  (``poll_interval_min``, doubling up to ``max`` after 10 ms without a completion) when more is queued
+  (``_SPIN_DEPTH``, ``_SPIN_ENTRIES``, ``_SPIN_BYTES``) or after
   ``_SPIN_WINDOW`` without any completion (a hung peer), idle when nothing is in flight. A handle the engine
   reports complete at once (:attr:`TransferHandle.landed`) is asked right after its submission. (Polling once per
   ``poll_interval_max`` with work queued was tried: NIXL over shared memory, whose ``check`` answers
@@ -73,21 +74,27 @@ full --phases lag,concurrency``): timed polls instead of spinning raised through
 raw thread (1.67-1.73 GB/s spinning, 1.74-2.05 GB/s timed, over several runs); 256 requests in flight went
 from 0.60x to 0.76x of the raw single stream. Loop-lag p99 varies more between runs than between the two."""
 _SPIN_ENTRIES = 16
-"""...and while those transfers have at most this many engine entries between them: a write of many entries
-(a room over dozens of KV buffers) is work queued in the engine too, and a loop spinning on its statuses
-takes the CPU its lanes need. Measured on Mooncake TCP, 2 vCPUs, one room of 64 x 32 KiB entries: spinning,
-the poll loop asked the write 446 times and the room took 6.0 ms; polled on timed sleeps, see
-docs/performance.md."""
+"""...and only while those transfers have at most this many engine entries between them, whatever their
+size: a write of many entries (a room over dozens of KV buffers, a streamed layer of hundreds of pages) is
+work queued in the engine too, and a loop spinning on its statuses takes the CPU its lanes need. Measured on
+2 vCPUs (``bench --suite full --phases cpu``: 64 buffers of 2 KiB pages): a one-page room (64 entries) cost
+3.3 ms of library CPU on Mooncake TCP spinning against 0.7 ms on timed polls (the raw engine's own: 0.45 ms),
+and one streamed layer of 256 pages (512 entries) 15.7 ms against 3.8 ms (raw 2.7 ms)."""
 _SPIN_BYTES = 1 << 20
+"""...and while at most :data:`_SPIN_DEPTH` transfers are in flight, or they add up to at most this many bytes
+(about 0.5 ms of Mooncake TCP): then completions are imminent, and small concurrent requests keep their
+latency. Measured with 4 x 256 KiB in flight (``--phases concurrency``, two runs each): 1.20-1.25 GB/s
+spinning against 0.86-1.14 GB/s timed."""
+_BACKOFF_AFTER = 0.01
+"""Timed polls stay at ``poll_interval_min`` (as a thread polling the raw engine does) until this long has
+passed without a completion, then double up to ``poll_interval_max`` (a write of many entries completes
+only at its end: doubling from the first poll noticed a 1.7 ms room up to 0.8 ms late)."""
 _AHEAD = 4
 """With more than :data:`_DEEP` handles in flight, at most this many still running are asked about per peer
 and poll round: handles are asked oldest first, and a peer's writes end about in the order they were
 posted, so asking about the ones behind them is wasted (a 4,096-handle write asked about every handle 25
 times over). A doomed or landed handle is asked about whatever its place."""
 _DEEP = 64
-"""...or while the polled transfers in flight add up to at most this many bytes (about 0.5 ms of Mooncake TCP):
-then completions are imminent, and small concurrent requests keep their latency. Measured with 4 x 256 KiB in
-flight (``--phases concurrency``, two runs each): 1.20-1.25 GB/s spinning against 0.86-1.14 GB/s timed."""
 _SHARED_CREDITS: dict[tuple[int, str, int], Credits] = {}
 """(engine scope, peer, event loop) -> credits; see :meth:`Poller._credits_for`."""
 
@@ -502,13 +509,14 @@ class Poller:
             if progressed:
                 last_progress = now
                 interval = self.interval_min
-            shallow = ((len(self._polled) <= _SPIN_DEPTH and self._polled_entries <= _SPIN_ENTRIES)
-                       or self._polled_bytes <= _SPIN_BYTES)
+            shallow = self._polled_entries <= _SPIN_ENTRIES and (
+                len(self._polled) <= _SPIN_DEPTH or self._polled_bytes <= _SPIN_BYTES)
             if shallow and now - last_progress < _SPIN_WINDOW:
                 await asyncio.sleep(0)
             else:
                 await asyncio.sleep(interval)
-                interval = min(interval * 2, self.interval_max)
+                if now - last_progress >= _BACKOFF_AFTER:
+                    interval = min(interval * 2, self.interval_max)
 
 
 async def _wait_all(

@@ -1,8 +1,8 @@
 """The poll loop's spin-or-sleep policy, on an engine whose transfers finish only when the test says so.
 
 Spinning (``sleep(0)`` between polls) answers a completion at once but keeps a core busy; timed polls leave
-the cores to the engine. The loop spins while at most two transfers, or at most ``_SPIN_BYTES``, are in
-flight, and polls on timed sleeps when more work is queued.
+the cores to the engine. The loop spins while at most two transfers, or at most ``_SPIN_BYTES``, of at most
+``_SPIN_ENTRIES`` entries are in flight, and polls on timed sleeps when more work is queued.
 """
 
 from __future__ import annotations
@@ -59,16 +59,16 @@ async def _until(condition: Callable[[], object], seconds: float = 5.0) -> None:
         await asyncio.sleep(0.001)
 
 
-def _one_entry(nbytes: int) -> Blocks:
-    """One entry of ``nbytes``; ``-n``: ``n`` entries of 32 KiB."""
+def _one_entry(nbytes: int, entry: int = 32768) -> Blocks:
+    """One entry of ``nbytes``; ``-n``: ``n`` entries of ``entry`` bytes."""
     if nbytes < 0:
         n = -nbytes
-        return Blocks(np.arange(n, dtype=np.uint64) * 32768, np.arange(n, dtype=np.uint64) * 32768,
-                      np.full(n, 32768, dtype=np.uint64))
+        return Blocks(np.arange(n, dtype=np.uint64) * entry, np.arange(n, dtype=np.uint64) * entry,
+                      np.full(n, entry, dtype=np.uint64))
     return Blocks(np.array([4096], np.uint64), np.array([8192], np.uint64), np.array([nbytes], np.uint64))
 
 
-async def _checks_per_handle(count: int, nbytes: int) -> tuple[float, int]:
+async def _checks_per_handle(count: int, nbytes: int, entry: int = 32768) -> tuple[float, int]:
     """Poll-loop ``check`` calls per in-flight handle during WATCH_S with ``count`` transfers of ``nbytes``,
     and the loop iterations in that time (a task that yields at every iteration counts them)."""
     engine = HeldEngine()
@@ -77,7 +77,7 @@ async def _checks_per_handle(count: int, nbytes: int) -> tuple[float, int]:
         cast(TransferEngine, engine), driver, max_in_flight=1024, max_batch=1024, interval_min=0.0001,
         interval_max=0.001, expire_after=60.0,
     )
-    writes = [asyncio.ensure_future(poller.write("peer", _one_entry(nbytes), timeout=10)) for _ in range(count)]
+    writes = [asyncio.ensure_future(poller.write("peer", _one_entry(nbytes, entry), timeout=10)) for _ in range(count)]
     try:
         while poller.in_flight < count:
             await asyncio.sleep(0)
@@ -106,19 +106,24 @@ async def _checks_per_handle(count: int, nbytes: int) -> tuple[float, int]:
 
 
 @pytest.mark.parametrize(
-    ("count", "nbytes", "spins"),
+    ("count", "nbytes", "entry", "spins"),
     [
-        (1, 256 << 20, True),  # one large write: spinning is what matches a raw thread
-        (2, 64 << 20, True),
-        (8, 4096, True),  # many small requests, 32 KiB queued: completions are imminent
-        (3, 8 << 20, False),  # the engine has work queued: leave it the cores
-        (8, 8 << 20, False),
-        (1, -64, False),  # one write of 64 entries (a room over 64 KV buffers), 2 MiB: work queued too
+        (1, 256 << 20, 0, True),  # one large write: spinning is what matches a raw thread
+        (2, 64 << 20, 0, True),
+        (8, 4096, 0, True),  # many small requests, 32 KiB queued: completions are imminent
+        (1, -16, 2048, True),  # one write of 16 small entries
+        (3, 8 << 20, 0, False),  # the engine has work queued: leave it the cores
+        (8, 8 << 20, 0, False),
+        (1, -64, 32768, False),  # one write of 64 entries (a room over 64 KV buffers), 2 MiB: work queued too
+        (1, -64, 2048, False),  # ... however small: 128 KiB in 64 entries is 64 entries of work for the engine
+        (1, -512, 2048, False),  # one streamed layer of 256 pages over 2 buffers
     ],
 )
-async def test_spins_only_while_little_is_queued(count: int, nbytes: int, spins: bool) -> None:
-    per_handle, ticks = await _checks_per_handle(count, nbytes)
-    timed_max = WATCH_S / 0.001 * 2  # timed polls: about one check per millisecond, with slack
+async def test_spins_only_while_little_is_queued(count: int, nbytes: int, entry: int, spins: bool) -> None:
+    per_handle, ticks = await _checks_per_handle(count, nbytes, entry or 32768)
+    # timed polls: one check per poll_interval_min (0.1 ms) until _BACKOFF_AFTER without progress, then
+    # doubling to one per poll_interval_max (1 ms); with slack
+    timed_max = (_poller._BACKOFF_AFTER / 0.0001 + WATCH_S / 0.001) * 1.5
     if spins:
         # spinning polls at every loop iteration, however fast the machine runs them; timed polls check
         # once a millisecond while the ticker alone keeps the loop turning
@@ -129,6 +134,7 @@ async def test_spins_only_while_little_is_queued(count: int, nbytes: int, spins:
 
 def test_spin_thresholds_are_the_documented_ones() -> None:
     assert _poller._SPIN_DEPTH == 2 and _poller._SPIN_BYTES == 1 << 20 and _poller._SPIN_ENTRIES == 16
+    assert _poller._BACKOFF_AFTER == 0.01
 
 
 def _held_poller(engine: HeldEngine, driver: Driver, max_batch: int = 1024, expire_after: float = 60.0) -> Poller:

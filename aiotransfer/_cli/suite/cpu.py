@@ -20,8 +20,9 @@ UCX's and NIXL's progress threads) and ZeroMQ's I/O threads are not the library'
 same window is reported apart and counted on neither side. Raw CPU of a write = the CPU time of the thread
 that posts the same entries with the manager's own native engine and polls them to completion
 (:meth:`~aiotransfer._cli.raw.RawEngine.drain`), at most ``max_entries_in_flight`` in flight, sleeping
-``poll_interval_min`` after a poll that completed nothing. Finally one call of the largest ``send_kv`` runs
-under a CPU-time profiler on every library thread (:mod:`~aiotransfer._cli.suite.cpu_profile`).
+``poll_interval_min`` after a poll that completed nothing. Finally one call of the largest ``send_kv``, and one
+``send_layers`` call, run under a CPU-time profiler on every library thread
+(:mod:`~aiotransfer._cli.suite.cpu_profile`).
 """
 
 from __future__ import annotations
@@ -290,7 +291,23 @@ async def _layers_case(run: _Run, src: I64, dst: I64, reps: int) -> dict[str, An
             "last_call": _summary(samples["last"], _LIB_KEYS)}
 
 
-def _breakdown(prof: dict[str, Any], call: dict[str, Any]) -> dict[str, Any]:
+async def _profile_layer(run: _Run, src: I64, dst: I64) -> dict[str, Any]:
+    """One chunk streamed layer by layer, its second layer's ``send_layers`` call profiled."""
+    layers = run.ctx.params.cpu_buffers // 2
+    tx, room = await run.room(dst)
+    stream = tx.stream(src)
+    prof: dict[str, Any] = {}
+    for layer in range(layers):
+        if layer == min(1, layers - 1):
+            await asyncio.sleep(run.gap)
+            prof = await profile_call(run.mgr, lambda layer=layer: stream.send_layers(layer, timeout=TIMEOUT))
+        else:
+            await stream.send_layers(layer, timeout=TIMEOUT)
+    await run.collect(room)
+    return prof
+
+
+def _breakdown(prof: dict[str, Any], call: dict[str, Any], name: str | None = None) -> dict[str, Any]:
     """Each thread's category shares from the profile, applied to the unprofiled median CPU of that thread."""
     lib = call["library"]
     est = dict.fromkeys(CATEGORIES, 0.0)
@@ -303,7 +320,7 @@ def _breakdown(prof: dict[str, Any], call: dict[str, Any]) -> dict[str, Any]:
             est[c] += f * lib[f"{where}_us"]
         threads[where] = {"unprofiled_us": lib[f"{where}_us"], "profiled_ms": p["cpu_ms"],
                           "shares": {c: round(f, 3) for c, f in shares.items()}, "top": p["top"]}
-    return {"call": f"send_kv of {call['pages']:,} pages ({call['entries']:,} entries)",
+    return {"call": name or f"send_kv of {call['pages']:,} pages ({call['entries']:,} entries)",
             "estimate_us": {c: round(v, 1) for c, v in est.items()}, "threads": threads}
 
 
@@ -329,6 +346,7 @@ async def phase_cpu(ctx: Ctx) -> dict[str, Any]:
         await asyncio.sleep(run.gap)
         prof = await profile_call(run.mgr, lambda: tx.send_kv(src_all[:biggest], timeout=TIMEOUT))
         await run.collect(room)
+        layer_prof = await _profile_layer(run, src_all[:n], dst_all[:n])
         return {
             "buffers": nbuf, "page_bytes": pb, "pool_pages": 2 * top, "staging": "never",
             "layout": "page i of a request: source page 2i, destination page 2i+1 (every other page on both sides: "
@@ -337,6 +355,8 @@ async def phase_cpu(ctx: Ctx) -> dict[str, Any]:
             "raw_call": run.raw.drain_style,
             "calls": calls,
             "breakdown": _breakdown(prof, calls[f"send_kv:{biggest}"]),
+            "layer_breakdown": _breakdown(layer_prof, calls["send_layers"],
+                                          f"send_layers, 1 layer of {n:,} pages ({2 * n:,} entries)"),
             "definition": "library CPU = event-loop thread + the library's driver and offload threads, per call; "
                           "raw CPU = the posting thread's CPU, the same entries through the native engine polled to "
                           "completion (sleeping poll_interval_min between polls that complete nothing); the engine's "

@@ -52,17 +52,17 @@ def _rows(res: dict[str, Any]) -> tuple[list[list[str]], list[list[str]]]:
             figures.append([label, *_row(_label(c), c["library"], c, c["raw"], c)])
             if "library_list" in c:
                 figures.append([label, *_row(_label(c, True), c["library_list"], c, c["raw"], c["library_list"])])
-        bd = r.get("breakdown")
-        if not bd:
-            continue
-        th = bd["threads"]
-        total = sum(bd["estimate_us"].values()) or 1.0
-        for cat in CATEGORIES:
-            per = [th[t]["shares"].get(cat, 0.0) * th[t]["unprofiled_us"] for t in _THREADS]
-            if sum(per) < 0.5:
+        for bd in (r.get("breakdown"), r.get("layer_breakdown")):
+            if not bd:
                 continue
-            where.append([label, bd["call"], cat, *(_n(x) for x in per), _n(sum(per)),
-                          f"{bd['estimate_us'][cat] / total:.0%}"])
+            th = bd["threads"]
+            total = sum(bd["estimate_us"].values()) or 1.0
+            for cat in CATEGORIES:
+                per = [th[t]["shares"].get(cat, 0.0) * th[t]["unprofiled_us"] for t in _THREADS]
+                if sum(per) < 0.5:
+                    continue
+                where.append([label, bd["call"], cat, *(_n(x) for x in per), _n(sum(per)),
+                              f"{bd['estimate_us'][cat] / total:.0%}"])
     return figures, where
 
 

@@ -1,4 +1,4 @@
-"""``python -m aiotransfer bench --suite device``: KV in device memory, through aiotransfer and the raw engine.
+"""``python -m benchmarks device``: KV in device memory, through aiotransfer and the raw engine.
 
 Each side runs in its own process on the one device (the decode is a child process). Measured per engine:
 

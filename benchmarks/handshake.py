@@ -1,4 +1,4 @@
-"""``python -m aiotransfer bench --suite handshake``: the prefill's event loop while a decode's handshake hangs.
+"""``python -m benchmarks handshake``: the prefill's event loop while a decode's handshake hangs.
 
 This process is a prefill (Mooncake over TCP). A healthy decode (a child process) asks it for one small room
 after another (four 4 KiB pages: writes the loop posts itself when it can), while a hostile decode (another

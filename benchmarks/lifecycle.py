@@ -1,4 +1,4 @@
-"""``python -m aiotransfer bench --suite lifecycle``: how long a failed room's pages stay out of the pool.
+"""``python -m benchmarks lifecycle``: how long a failed room's pages stay out of the pool.
 
 The decode (this process) opens a room of scattered pages, the prefill (a child process) starts sending it,
 and the decode aborts once the first bytes have landed. Measured: abort -> ``rx.released()`` (the prefill's

@@ -1,4 +1,4 @@
-"""``python -m aiotransfer bench --suite streaming``: how much of the KV transfer layer streaming hides.
+"""``python -m benchmarks streaming``: how much of the KV transfer layer streaming hides.
 
 A Llama-8B-shaped request (32 layers, 8 KV heads of 128, bf16: 2 KiB per token per K or V buffer, pages of
 16 tokens) of 1k and 4k tokens. The prefill (this process) runs a simulated forward pass, a fixed compute

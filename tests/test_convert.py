@@ -20,7 +20,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiotransfer import convert
-from benchmarks.conversion import conversion_bench, format_rows
 from aiotransfer.convert import (
     PageGeometry,
     _page_rows,
@@ -32,6 +31,7 @@ from aiotransfer.convert import (
     stream_nbytes,
 )
 from aiotransfer.errors import InvalidArgument
+from benchmarks.conversion import conversion_bench, format_rows
 
 LAYOUTS = ["layer_first", "page_first", "page_first_kv_split"]
 

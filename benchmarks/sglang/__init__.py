@@ -5,7 +5,7 @@
   imported here. ``stubs/`` and ``tiny-llama/`` beside it are what that process needs to import SGLang
   and build its ``ServerArgs``.
 * :mod:`~benchmarks.sglang.aio_peer` -- the same commands over an aiotransfer ``KVManager``.
-* :mod:`~benchmarks.sglang.bench`    -- ``aiotransfer bench --suite sglang``: both stacks, interleaved.
+* :mod:`~benchmarks.sglang.bench`    -- ``python -m benchmarks sglang``: both stacks, interleaved.
 
 This module holds what the tests under tests/interop/ and the benchmark share: where the interop venv is,
 how a peer process is started, and :class:`PeerProcess`, the client of the peers' protocol (one JSON object

@@ -1,4 +1,4 @@
-"""aiotransfer's side of ``bench --suite sglang``: one ``KVManager`` in its own process, driven with the
+"""aiotransfer's side of ``python -m benchmarks sglang``: one ``KVManager`` in its own process, driven with the
 commands of :mod:`benchmarks.sglang.peer` (SGLang's side), so one orchestrator runs both stacks the
 same way.
 
@@ -209,7 +209,7 @@ async def _main(ns: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.sglang.aio_peer",
-        description="aiotransfer's side of bench --suite sglang",
+        description="aiotransfer's side of python -m benchmarks sglang",
     )
     p.add_argument("--role", choices=["prefill", "decode"], required=True)
     p.add_argument("--engine", default="mooncake_tcp")

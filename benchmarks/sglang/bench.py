@@ -1,4 +1,4 @@
-"""``aiotransfer bench --suite sglang``: SGLang 0.5.23's own transfer layer against aiotransfer, one run.
+"""``python -m benchmarks sglang``: SGLang 0.5.23's own transfer layer against aiotransfer, one run.
 
 Four processes per geometry: an SGLang prefill and an SGLang decode (SGLang's unmodified Mooncake classes,
 :mod:`benchmarks.sglang.peer`, under the interop venv's Python), and an aiotransfer prefill and

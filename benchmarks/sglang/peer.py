@@ -1,5 +1,5 @@
 """SGLang 0.5.23's own Mooncake KV-transfer classes in their own OS process (the interop tests' and
-``bench --suite sglang``'s SGLang side).
+``python -m benchmarks sglang``'s SGLang side).
 
 Runs with the .interop-venv Python (scripts/interop-venv.sh), never with the project's .venv. Everything
 on the transfer path is SGLang's real, unmodified code: ``MooncakeKVManager``, ``MooncakeKVSender``,

@@ -1,4 +1,4 @@
-"""The vLLM harness behind ``python -m benchmarks.vllm_pd`` and ``aiotransfer bench --suite vllm``.
+"""The vLLM harness behind ``python -m benchmarks.vllm_pd`` and ``python -m benchmarks vllm``.
 
 * :mod:`~benchmarks.vllm.model`     -- a Llama checkpoint with seeded random weights
 * :mod:`~benchmarks.vllm.engine`    -- one ``vllm.LLM`` per process and session, bounded commands

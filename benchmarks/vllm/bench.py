@@ -1,4 +1,4 @@
-"""``aiotransfer bench --suite vllm``: TTFT of PD through AiotransferConnector, serial and concurrent, against
+"""``python -m benchmarks vllm``: TTFT of PD through AiotransferConnector, serial and concurrent, against
 vLLM's own NixlConnector and against a single engine, in one run.
 
 Same model (:data:`~benchmarks.vllm.model.BENCH`: 8 layers, 8 KV heads of 64, fp32, 32 KiB of KV per
@@ -28,7 +28,7 @@ Per request (p50 and p99 over rounds and requests):
   done).
 
 Ratios are against NixlConnector's serial flow (< 1: faster). With ``--omp-split`` (the default of
-``bench --suite vllm``) the prefill engine process runs on core 0 and the decode's on core 1, every thread
+``python -m benchmarks vllm``) the prefill engine process runs on core 0 and the decode's on core 1, every thread
 (the single engine: core 0), as if each had its own host: the decode engine's loop, which steps while a
 request waits for its KV, then does not take the prefill's core. vLLM itself moves NIXL's worker thread to
 the last core. NIXL's UCX progress thread spins under NixlConnector and the ``-spin`` kinds (NixlConnector's

@@ -1,4 +1,4 @@
-"""Import-time stand-ins for the SGLang interop processes (tests/interop/, bench --suite sglang), nothing else.
+"""Import-time stand-ins for the SGLang interop processes (tests/interop/, python -m benchmarks sglang), nothing else.
 
 ``install()`` puts a meta path finder first on ``sys.meta_path`` that answers every ``torchvision`` and
 ``torchvision.*`` import with an empty package whose ``__version__`` is ``"0.0.0"``. The torchvision wheel

@@ -8,7 +8,7 @@ export MC_LOG_LEVEL ?= WARNING
 export NO_MKDOCS_2_WARNING ?= 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup demo test test-gpu soak lint format typecheck docs docs-serve bench interop vllm clean
+.PHONY: help setup demo test test-gpu soak lint format typecheck docs docs-serve bench bench-full interop vllm clean
 
 help:
 	@echo "make setup    create .venv, install Debian libraries and pip packages (idempotent)"
@@ -19,7 +19,8 @@ help:
 	@echo "make lint     ruff + mypy"
 	@echo "make format   ruff format + ruff check --fix"
 	@echo "make docs     build the documentation into site/"
-	@echo "make bench    run the benchmarks"
+	@echo "make bench    raw Mooncake vs aiotransfer on this machine (aiotransfer bench)"
+	@echo "make bench-full  every suite figure, every engine (python -m benchmarks full; BENCH_ARGS=--quick)"
 	@echo "make interop  tests against SGLang (needs the SGLang venv)"
 	@echo "make vllm     tests against vLLM for CPU (builds the vLLM venv)"
 
@@ -66,6 +67,9 @@ docs-serve: setup
 
 bench: setup
 	$(PYTHON) -m aiotransfer bench
+
+bench-full: setup
+	$(PYTHON) -m benchmarks full $(BENCH_ARGS)
 
 interop: setup
 	@bash scripts/interop-venv.sh

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What `make test-gpu` and `bench --suite device` need on a CUDA 13 GPU host that has Python 3.12 and torch
+# What `make test-gpu` and `python -m benchmarks device` need on a CUDA 13 GPU host that has Python 3.12 and torch
 # but no package index: packed on a machine with one, copied over, installed there without a network.
 #
 #   bash scripts/gpu-carry.sh pack          # here: .gpu-carry/ (about 45 MB)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks in one go, on a CUDA host prepared by `scripts/gpu-carry.sh` (or with the packages
-# installed): the versions, the tests marked `gpu` (`make test-gpu`) and `bench --suite device`.
+# installed): the versions, the tests marked `gpu` (`make test-gpu`) and `python -m benchmarks device`.
 # Logs and the bench's JSON go to $OUT (default ./gpu-check). Each step has its own time limit, and a
 # failing step does not stop the next.
 #
@@ -36,6 +36,6 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
 timeout "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -s -p no:cacheprovider -rA --timeout 150 \
     tests/test_gpu.py "$@" 2>&1 | tee "$OUT/test-gpu.log"
 echo "test-gpu exit: ${PIPESTATUS[0]}" | tee -a "$OUT/test-gpu.log"
-timeout "${GPU_BENCH_TIMEOUT:-240}" python3 -m aiotransfer bench --suite device --out "$OUT/device.json" 2>&1 \
+timeout "${GPU_BENCH_TIMEOUT:-240}" python3 -m benchmarks device --out "$OUT/device.json" 2>&1 \
     | tee "$OUT/bench-device.log"
 echo "bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench-device.log"

@@ -46,7 +46,7 @@ assert torch.__version__.endswith("+cpu"), torch.__version__
 assert u.find_spec("sglang") is not None and md.version("sglang") == "0.5.23", "sglang 0.5.23 missing"'
 # Full check after a build: SGLang's Mooncake disaggregation module imports (with our stubs, ~7 s).
 FULL_CHECK='import sglang.srt.disaggregation.mooncake.conn, sglang.srt.server_args'
-STUBS="$ROOT/aiotransfer/_cli/sglang/stubs"
+STUBS="$ROOT/benchmarks/sglang/stubs"
 
 command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found (set PYTHON=...)"
 PYVER="$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"

@@ -253,7 +253,7 @@ class Peer:
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
         async with KVManager(args, cfg) as mgr:
             if ns.hostile_handshake:
-                from aiotransfer._cli.hostile import front_handshake
+                from benchmarks.hostile import front_handshake
 
                 front_handshake(mgr, ns.hostile_handshake, ns.hostile_mode)
             self.reply({"id": 0, "ok": True, "endpoint": mgr.endpoint})
@@ -303,7 +303,7 @@ def main() -> None:
     p.add_argument("--mem-pool", default="", help="TransferConfig.custom_mem_pool; aux buffers placed by it")
     p.add_argument("--device", default="cpu", help="where the KV buffers live (cuda:N: torch tensors there)")
     p.add_argument("--hostile-handshake", type=float, default=0.0,
-                   help="seconds a front listener holds the engine's handshake requests (aiotransfer._cli.hostile)")
+                   help="seconds a front listener holds the engine's handshake requests (benchmarks.hostile)")
     p.add_argument("--hostile-mode", choices=("once", "silent"), default="once")
     asyncio.run(Peer(p.parse_args()).run())
 

@@ -1,11 +1,13 @@
-"""``python -m aiotransfer bench --suite full``: a tiny configuration end to end (JSON keys, PNGs), the
-re-plot path, and the pure pieces (targets, byte patterns) in-process."""
+"""``python -m benchmarks full``: a tiny configuration end to end (JSON keys, PNGs, lines within 100
+columns, engine logs in their own file), the re-plot path, and the pure pieces (targets, byte patterns)
+in-process."""
 
 from __future__ import annotations
 
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiotransfer._cli.suite import report
-from aiotransfer._cli.suite.common import (
+from aiotransfer._cli.console import WIDTH
+from aiotransfer._cli.workload import KVPool
+from benchmarks.suite import report
+from benchmarks.suite.common import (
     ALL_PHASES,
     ENGINES,
     OPT_IN_PHASES,
@@ -24,19 +28,20 @@ from aiotransfer._cli.suite.common import (
     tp_bad_pages,
     tp_fill,
 )
-from aiotransfer._cli.workload import KVPool
 from tests.conftest import nixl_available
 
 ROOT = Path(__file__).resolve().parent.parent
 PLOTS = {"bench-throughput.png", "bench-scattered.png", "bench-loop-lag.png", "bench-concurrency.png",
          "bench-latency-4k.png", "bench-aux.png", "bench-tp.png", "bench-engines.png"}
+GLOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d", re.MULTILINE)
+"""A glog line (Mooncake's own log)."""
 FIGURES = {"throughput", "scattered", "loop_lag", "concurrency", "latency_4k", "aux", "tp", "engines"}
 
 
 def _bench(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env.setdefault("MC_LOG_LEVEL", "ERROR")
-    return subprocess.run([sys.executable, "-m", "aiotransfer", "bench", "--suite", "full", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "benchmarks", "full", *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
@@ -45,6 +50,9 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
     d = tmp_path_factory.mktemp("bench")
     proc = _bench("--tiny", "--out", str(d / "full.json"), "--img-dir", str(d / "img"), timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert all(len(line) <= WIDTH for line in (proc.stdout + proc.stderr).splitlines()), proc.stdout
+    assert f"engine and worker logs: {d / 'full.log'}" in proc.stderr
+    assert not GLOG.search(proc.stdout + proc.stderr) and (d / "full.log").exists()  # engine logs: in the file
     return d, json.loads((d / "full.json").read_text()), proc.stdout
 
 
@@ -256,7 +264,7 @@ def test_child_last_message_arrives_whole_before_it_exits() -> None:
 @pytest.mark.timeout(60)
 def test_floor_phase_tiny_on_mooncake(tmp_path: Path) -> None:
     """ZMQ round trip, raw writes and rooms in the same two processes; every traced room has every mark."""
-    from aiotransfer._cli.suite.floor import PATH, SIDE, SIZES
+    from benchmarks.suite.floor import PATH, SIDE, SIZES
 
     out = tmp_path / "floor.json"
     proc = _bench("--tiny", "--engines", "mooncake_tcp", "--phases", "floor", "--out", str(out), "--img-dir", "",
@@ -319,7 +327,7 @@ def test_trace_records_only_while_on() -> None:
 
 
 def test_floor_breakdown_from_marks() -> None:
-    from aiotransfer._cli.suite.floor import PATH, breakdown
+    from benchmarks.suite.floor import PATH, breakdown
 
     stages = [a for a, _, _, _ in PATH] + ["end"]
     marks = [(r, s, 1000 * (i + 1) * (r - 9)) for r in (10, 11) for i, s in enumerate(stages)]
@@ -340,7 +348,7 @@ def test_floor_breakdown_from_marks() -> None:
 def test_cpu_phase_tiny_on_both_engines(tmp_path: Path) -> None:
     """The library's CPU per call next to the raw engine's for the same entries, on every engine that runs here;
     the profiled call's breakdown; the tables."""
-    from aiotransfer._cli.suite.cpu_profile import CATEGORIES
+    from benchmarks.suite.cpu_profile import CATEGORIES
 
     engines = ["mooncake_tcp", *(["nixl_shm"] if nixl_available() else [])]
     out = tmp_path / "cpu.json"
@@ -383,7 +391,7 @@ def test_thread_clocks_group_by_thread() -> None:
     import threading
     import time
 
-    from aiotransfer._cli.suite.cpu import GROUPS, ThreadClocks
+    from benchmarks.suite.cpu import GROUPS, ThreadClocks
 
     clocks = ThreadClocks()
     go, stop = threading.Event(), threading.Event()
@@ -412,16 +420,17 @@ def test_thread_clocks_group_by_thread() -> None:
 def test_cpu_profile_categories_follow_callers() -> None:
     """A function outside the library takes the category of its callers; the engine's calls and the harness
     are told apart by where they live."""
-    from aiotransfer._cli.suite.cpu_profile import COMPLETION, ENGINE, HARNESS, PLANNING, ROOT, categorize
+    from benchmarks.suite.cpu_profile import COMPLETION, ENGINE, HARNESS, PLANNING, ROOT, categorize
 
     lib = "/x/aiotransfer/"
+    harness = "/x/benchmarks/"
     send = (lib + "sender.py", 1, "send_kv")
     plan = (lib + "plan.py", 2, "plan_blocks")
     check = (lib + "engines/mooncake.py", 3, "check")
     submit = ("~", 0, "<built-in method mooncake.engine.transfer_submit_write>")
     astype = ("~", 0, "<method 'astype' of 'numpy.ndarray' objects>")
     loop = ("/usr/lib/python3.11/asyncio/base_events.py", 4, "_run_once")
-    stop = (lib + "_cli/suite/cpu_profile.py", 5, "stop")
+    stop = (harness + "suite/cpu_profile.py", 5, "stop")
     stats = {
         send: (1, 1, 0.001, 0.01, {loop: (1, 1, 0.001, 0.01)}),
         plan: (1, 1, 0.002, 0.003, {send: (1, 1, 0.002, 0.003)}),

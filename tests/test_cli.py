@@ -1,5 +1,6 @@
-"""The command line: ``python -m aiotransfer doctor | demo | bench`` (subprocesses), plus the helpers
-they are built on (loop-lag monitor, byte pattern, page allocator) in-process."""
+"""The command line: ``python -m aiotransfer doctor | demo | bench`` and ``python -m benchmarks``
+(subprocesses), plus the helpers they are built on (loop-lag monitor, byte pattern, page allocator,
+console) in-process."""
 
 from __future__ import annotations
 
@@ -16,19 +17,24 @@ import numpy as np
 import pytest
 
 from aiotransfer import _lag as lag_module
+from aiotransfer._cli import console
 from aiotransfer._cli.workload import KVPool, PageAllocator, count_bad_pages, fill_pages, make_requests
 from aiotransfer._lag import LoopLagMonitor
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+def _run(*args: str, timeout: float, module: str = "aiotransfer") -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env.setdefault("MC_LOG_LEVEL", "ERROR")
     return subprocess.run(
-        [sys.executable, "-m", "aiotransfer", *args],
+        [sys.executable, "-m", module, *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False,
     )
+
+
+def _narrow(text: str) -> bool:
+    return all(len(line) <= console.WIDTH for line in text.splitlines())
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -132,22 +138,90 @@ def test_bench_quick_writes_three_figures(tmp_path: Path) -> None:
     lag = res["loop_lag"]["a_aiotransfer"]
     assert lag["samples"] > 0 and lag["p50_ms"] <= lag["p99_ms"] <= lag["max_ms"]
     assert "ratio" in proc.stdout
+    assert _narrow(proc.stdout) and _narrow(proc.stderr), proc.stdout + proc.stderr
+    assert "Using default malloc/free" not in proc.stdout + proc.stderr  # Mooncake's log: its own file
+    assert (tmp_path / "bench.log").exists() and str(tmp_path / "bench.log") in proc.stdout
+
+
+def test_bench_suites_moved_to_the_repository() -> None:
+    proc = _run("bench", "--suite", "full", timeout=60)
+    assert proc.returncode == 2
+    assert "python -m benchmarks full" in proc.stderr
+
+
+def test_benchmarks_lists_every_suite_and_each_suite_has_its_entry_point() -> None:
+    import importlib
+
+    from benchmarks.cli import SUITES
+
+    proc = _run("--help", timeout=60, module="benchmarks")
+    assert proc.returncode == 0, proc.stderr
+    for name, suite in SUITES.items():
+        assert name in proc.stdout
+        module = importlib.import_module(suite.module)
+        assert callable(module.add_arguments) and callable(getattr(module, suite.entry)), name
+    assert {"figures", "full", "lifecycle", "handshake", "streaming", "conversion", "vllm", "sglang",
+            "device"} == set(SUITES)
+    bad = _run("nope", timeout=60, module="benchmarks")
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
 
 
 def test_bench_sglang_without_the_interop_venv_says_how_to_build_it(tmp_path: Path) -> None:
     env = dict(os.environ, MC_LOG_LEVEL="ERROR", AIOTRANSFER_INTEROP_VENV=str(tmp_path / "missing"))
     proc = subprocess.run(
-        [sys.executable, "-m", "aiotransfer", "bench", "--suite", "sglang", "--quick"],
+        [sys.executable, "-m", "benchmarks", "sglang", "--quick", "--out", str(tmp_path / "sglang.json")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False,
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "bash scripts/interop-venv.sh" in proc.stderr
 
 
-def test_bench_sglang_rejects_an_unknown_size() -> None:
-    proc = _run("bench", "--suite", "sglang", "--sizes", "3K", timeout=60)
+def test_bench_sglang_rejects_an_unknown_size(tmp_path: Path) -> None:
+    proc = _run("sglang", "--sizes", "3K", "--out", str(tmp_path / "sglang.json"), timeout=60, module="benchmarks")
     assert proc.returncode == 2
     assert "4K, 64K, 8M, 32M" in proc.stderr
+
+
+_SESSION = r"""
+import os, sys, time
+from aiotransfer._cli import console
+
+with console.session(sys.argv[1]):
+    console.note("working on it")
+    os.write(2, b"E1128 12:00:00.000000 1 native.cpp:1] a native log line\n")
+    os.write(1, b"native stdout\n")
+    time.sleep(4.5)
+    print("result " + "x" * 150)
+print("after")
+"""
+
+
+def test_session_keeps_native_output_in_the_log_and_reports_progress(tmp_path: Path) -> None:
+    log = tmp_path / "run.log"
+    proc = subprocess.run([sys.executable, "-c", _SESSION, str(log)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "native" not in proc.stdout + proc.stderr
+    assert "a native log line" in log.read_text() and "native stdout" in log.read_text()
+    assert proc.stderr.startswith("working on it\n")
+    beats = [line for line in proc.stderr.splitlines() if line.startswith("  ... ")]
+    assert len(beats) >= 1 and all("working on it" in b for b in beats)  # not a terminal: plain lines
+    assert proc.stdout.splitlines()[0].startswith("result xxx") and proc.stdout.splitlines()[-1] == "after"
+    assert _narrow(proc.stdout) and len(proc.stdout.splitlines()) == 3  # the long line wrapped in two
+
+
+def test_table_fits_the_width_by_wrapping_the_widest_cells() -> None:
+    rows = [("figure", "metric", "value"), ("1", "a metric with a long description " * 4, "0.95"),
+            ("2", "short", "1.00")]
+    text = console.table(rows)
+    lines = text.splitlines()
+    assert all(len(line) <= console.WIDTH for line in lines) and len(lines) > 4
+    assert lines[0].startswith("figure") and set(lines[1]) <= {"-", " "}
+    assert "0.95" in text and lines[-1].split() == ["2", "short", "1.00"]
+    assert console.table([("a", "b"), ("1", "2")]) == "a  b\n-  -\n1  2"
+    wrapped = console.wrap("  " + "word " * 40)
+    assert all(len(line) <= console.WIDTH for line in wrapped.splitlines())
+    assert wrapped.splitlines()[1].startswith("      word")  # the line's indent plus the hanging indent
 
 
 # ----------------------------------------------------------------------------------------------------

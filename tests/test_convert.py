@@ -20,7 +20,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiotransfer import convert
-from aiotransfer._cli.conversion import conversion_bench, format_rows
 from aiotransfer.convert import (
     PageGeometry,
     _page_rows,
@@ -32,6 +31,7 @@ from aiotransfer.convert import (
     stream_nbytes,
 )
 from aiotransfer.errors import InvalidArgument
+from benchmarks.conversion import conversion_bench, format_rows
 
 LAYOUTS = ["layer_first", "page_first", "page_first_kv_split"]
 
@@ -410,9 +410,9 @@ def test_conversion_bench_rows() -> None:
     assert "(f) layer_first -> page_first" in format_rows(rows)
 
 
-def test_conversion_suite_from_the_bench_cli(tmp_path: Path) -> None:
+def test_conversion_suite_from_the_benchmarks_cli(tmp_path: Path) -> None:
     out = tmp_path / "conversion.json"
-    proc = subprocess.run([sys.executable, "-m", "aiotransfer", "bench", "--suite", "conversion", "--quick",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "conversion", "--quick",
                            "--out", str(out)], cwd=Path(__file__).resolve().parents[1], capture_output=True,
                           text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""``python -m aiotransfer bench --suite device`` on host tensors (``--device cpu``): the same code that
+"""``python -m benchmarks device`` on host tensors (``--device cpu``): the same code that
 measures GPU memory, end to end in two processes, with its bytes checked and its stage marks read."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from aiotransfer._cli.device_bench import STAGES, _stage_medians
+from benchmarks.device_bench import STAGES, _stage_medians
 from tests.conftest import nixl_available
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _bench(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, MC_LOG_LEVEL="ERROR")
-    return subprocess.run([sys.executable, "-m", "aiotransfer", "bench", "--suite", "device", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "benchmarks", "device", *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
@@ -39,7 +39,7 @@ def test_device_suite_on_host_tensors_checks_bytes_and_reports_against_the_raw_e
     assert list(room["stages_us"]) == [f"{a}->{b}" for a, b in itertools.pairwise(STAGES)]
     assert set(eng["aux"]) == {"host"} and eng["aux"]["host"]["path"] == "tcp"  # device aux needs CUDA
     assert room["loop_lag"]["samples"] > 0 and room["loop_lag"]["max_ms"] >= 0
-    assert "room: aiotransfer" in proc.stdout
+    assert "room:\n  aiotransfer" in proc.stdout and "engine and worker logs:" in proc.stderr
 
 
 def test_a_device_this_host_lacks_is_a_usage_error() -> None:

@@ -217,7 +217,7 @@ async def test_a_stream_left_incomplete_fails_the_last_chunk_within_its_timeout(
 def test_streaming_bench_quick_runs_and_reports_both_modes(tmp_path: Path) -> None:
     out = tmp_path / "streaming.json"
     env = dict(os.environ, MC_LOG_LEVEL="ERROR")
-    proc = subprocess.run([sys.executable, "-m", "aiotransfer", "bench", "--suite", "streaming", "--quick",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "streaming", "--quick",
                            "--engines", "mooncake_tcp", "--out", str(out)], cwd=Path(__file__).resolve().parents[1],
                           env=env, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -248,7 +248,7 @@ def test_a_decode_that_asks_between_chunks_gets_the_blocks_computed_before_with_
     ("aiotransfer-nixl-spin-nochunks", "nixl", True, False),
 ])
 def test_the_harness_kinds_configure_the_connector_as_named(kind: str, engine: str, stream: bool, chunks: bool) -> None:
-    from aiotransfer._cli.vllm.spec import EngineSpec, kv_transfer_config
+    from benchmarks.vllm.spec import EngineSpec, kv_transfer_config
 
     fields = kv_transfer_config(EngineSpec(name="p", model="m", kind=kind, role="prefill"))
     assert fields is not None

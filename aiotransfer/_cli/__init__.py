@@ -7,10 +7,15 @@ them. One job per module:
 * :mod:`~aiotransfer._cli.doctor`   -- what is installed, which transport Mooncake would use, the fix lines
 * :mod:`~aiotransfer._cli.demo`     -- a prefill process moves a KV cache to a decode process, verified
 * :mod:`~aiotransfer._cli.bench`    -- raw Mooncake against aiotransfer (figures (a)-(c))
-* :mod:`~aiotransfer._cli.suite`    -- ``bench --suite full``: every engine, JSON, plots, targets
 * :mod:`~aiotransfer._cli.raw`      -- the raw-engine baselines (the only caller of ``engine.raw()``)
 * :mod:`~aiotransfer._cli.workload` -- KV pool, request list, byte pattern, page allocator
 * :mod:`~aiotransfer._cli.channel`  -- JSON lines between a tool and the child process it drives
+* :mod:`~aiotransfer._cli.console`  -- tables within 100 columns, progress, engine logs kept apart
+* :mod:`~aiotransfer._cli.files`    -- atomic JSON files
+
+The benchmark suites, the SGLang and vLLM harnesses and their stubs are not part of the package: they live
+in the repository's ``benchmarks/`` folder (``python -m benchmarks SUITE`` from a checkout) and build on
+``channel``, ``raw``, ``workload``, ``console`` and ``files`` above.
 
 Subcommand modules are imported when the parser is built, not with this package: ``python -m
 aiotransfer._cli.demo`` (a demo child) finds its own module not yet imported.
@@ -40,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
                        description=_summary(demo.__doc__))
     demo.add_arguments(d)
     d.set_defaults(func=demo.run)
-    b = sub.add_parser("bench", help="raw Mooncake vs aiotransfer, same engine, same run",
+    b = sub.add_parser("bench", help="raw Mooncake vs aiotransfer, same engine, same run (the suites: "
+                                     "python -m benchmarks, from a checkout)",
                        description=_summary(bench.__doc__))
     bench.add_arguments(b)
     b.set_defaults(func=bench.run)

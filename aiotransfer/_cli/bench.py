@@ -1,7 +1,7 @@
 """``python -m aiotransfer bench``: raw Mooncake against aiotransfer, same engine, same buffers, same run.
 
-``--suite full`` runs the performance suite instead (:mod:`aiotransfer._cli.suite`: every engine, JSON
-and PNG plots, a table of targets); what follows describes the default suite (issue 2's figures).
+The other suites (every engine, JSON and PNG plots, a table of targets; SGLang, vLLM, GPU memory) live
+in the repository, outside the installed package: ``python -m benchmarks SUITE`` from a checkout.
 
 The CLI process is the prefill; it spawns the decode as ``python -m aiotransfer._cli.bench --role decode`` and
 drives it with JSON lines. For each figure both sides build a :class:`~aiotransfer.KVManager` over the
@@ -38,7 +38,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -52,7 +51,9 @@ import numpy as np
 
 from aiotransfer import AiotransferError, KVManager, LoopLagMonitor, TransferConfig
 
+from . import console
 from .channel import Child, open_parent_channel
+from .files import write_json
 from .raw import MAX_BATCH, RAW_STYLES, SAME_CALL, Batch, RawFn, native_engine
 from .workload import I64, KVPool, count_bad_pages, fill_pages, make_requests
 
@@ -413,7 +414,7 @@ async def _bench_main(ns: argparse.Namespace) -> dict[str, Any]:
             await asyncio.sleep(0.5)
         for fig in figs:
             t0 = time.perf_counter()
-            print(f"({fig.key}) {fig.title} ...", file=sys.stderr, flush=True)
+            console.note(f"({fig.key}) {fig.title} ...")
             results[fig.key] = await _run_figure(ns, fig, decode, rooms, raw_pool)
             results[fig.key]["seconds"] = round(time.perf_counter() - t0, 2)
     finally:
@@ -446,18 +447,15 @@ async def _bench_main(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def _table(res: dict[str, Any]) -> str:
-    rows = [("figure", "raw", "aiotransfer", "ratio")]
+    """The figures as text within :data:`~aiotransfer._cli.console.WIDTH` columns (the JSON has everything)."""
+    rows = [("figure", "raw GB/s", "ms", "entries", "aiotransfer GB/s", "ms", "entries", "ratio")]
     for key, f in res["figures"].items():
         raw, aio = f["raw"], f["aiotransfer"]
-        rows.append((
-            f"({key}) {f['title']}",
-            f"{raw['gbps']:.3f} GB/s ({raw['median_s'] * 1e3:.1f} ms, {raw['entries']} entries)",
-            f"{aio['gbps']:.3f} GB/s ({aio['median_s'] * 1e3:.1f} ms, {aio['entries']} entries)",
-            f"{f['ratio']:.2f}",
-        ))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+        rows.append((f"({key})", f"{raw['gbps']:.3f}", f"{raw['median_s'] * 1e3:.1f}",
+                     f"{raw['entries']:,}", f"{aio['gbps']:.3f}", f"{aio['median_s'] * 1e3:.1f}",
+                     f"{aio['entries']:,}", f"{f['ratio']:.2f}"))
+    lines = [f"({key}) {f['title']}" for key, f in res["figures"].items()]
+    lines += ["", console.table(rows), ""]
     for key, f in res["figures"].items():
         same = f["same_call"]
         lines.append(f"({key}) raw = best of: " + ", ".join(
@@ -470,38 +468,23 @@ def _table(res: dict[str, Any]) -> str:
             return "n/a"
         return f"p50 {s['p50_ms']:.3f} / p99 {s['p99_ms']:.3f} / max {s['max_ms']:.3f} ms ({s['samples']} samples)"
 
-    lines.append(f"prefill loop lag during (a) aiotransfer send_kv: {fmt(lag.get('a_aiotransfer'))}")
-    lines.append(f"prefill loop lag during (a) raw (thread):        {fmt(lag.get('a_raw_thread'))}")
-    lines.append(f"prefill loop lag idle:                           {fmt(lag.get('idle'))}")
+    lines.append("prefill event-loop lag:")
+    lines.append(f"  during (a) aiotransfer send_kv: {fmt(lag.get('a_aiotransfer'))}")
+    lines.append(f"  during (a) raw (thread):        {fmt(lag.get('a_raw_thread'))}")
+    lines.append(f"  idle:                           {fmt(lag.get('idle'))}")
     lines.append(f"ratio = aiotransfer / raw (>1: aiotransfer faster); medians of {res['repeats']} repeats; "
                  f"wall {res['wall_s']:.1f} s")
-    return "\n".join(lines)
+    return console.wrap("\n".join(lines))
 
 
 # ----------------------------------------------------------------------------------------------------
 # arguments / entry points
 # ----------------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--suite", choices=("default", "full", "lifecycle", "handshake", "streaming", "conversion", "vllm",
-                                        "sglang", "device"),
-                   default="default",
-                   help="default: figures (a)-(c) of raw Mooncake vs aiotransfer; full: the performance suite "
-                        "(throughput vs size, scattered, loop-lag CDF, concurrency, 4 KiB latency, the floor of a "
-                        "small room, send_aux by path, TP 4->2, engines), JSON + PNG plots; lifecycle: abort -> released() latency; "
-                        "handshake: the prefill's loop lag while a decode's Mooncake handshake hangs; "
-                        "streaming: layer streaming's exposed transfer time; conversion: page-size and layout "
-                        "conversion throughput against plain staging; "
-                        "vllm: PD through AiotransferConnector vs vLLM's NixlConnector (run with the vLLM "
-                        "venv's Python: bash scripts/vllm-venv.sh); "
-                        "sglang: SGLang 0.5.23's own transfer layer (prefill -> decode) against aiotransfer -> "
-                        "aiotransfer, interleaved rounds, same geometry (needs bash scripts/interop-venv.sh); "
-                        "device: KV in GPU memory, aiotransfer against the raw engine, aux by path, staging copies")
     p.add_argument("--engine", default="mooncake_tcp", help="Mooncake flavour (default mooncake_tcp)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--repeats", type=int, default=None, help="timed repetitions per figure (default 5; 2 with --quick)")
-    p.add_argument("--quick", action="store_true",
-                   help="CI mode: 2 repeats, 1 request in (c); with --suite full: smaller sizes and counts (~30 s); "
-                        "with --suite sglang: 2 rounds, 4 rooms one at a time and 16 at once")
+    p.add_argument("--quick", action="store_true", help="CI mode: 2 repeats, 1 request in (c)")
     p.add_argument("--figures", default="a,b,c", help="which figures to run (default a,b,c)")
     p.add_argument("--size-mib", type=int, default=256, help="(a) contiguous size in MiB (default 256)")
     p.add_argument("--pages", type=int, default=10_000, help="(b) number of 4 KiB pages (default 10000)")
@@ -510,81 +493,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--staging", choices=("auto", "always", "never"), default="auto",
                    help="aiotransfer's gather/scatter staging (TransferConfig.staging; default auto)")
-    p.add_argument("--out", default=None,
-                   help="JSON results (default bench-results/bench.json; bench-results/full.json with --suite full)")
-    full = p.add_argument_group("--suite full")
-    full.add_argument("--engines", default=None,
-                      help="engine configurations, comma-separated (default mooncake_tcp,nixl_shm,nixl_tcp; each "
-                           "runs in its own pair of processes)")
-    full.add_argument("--phases", default=None,
-                      help="subset of ceilings,throughput,scattered,lag,concurrency,e2e,floor,aux,tp,cpu (default "
-                           "all but cpu, which runs only when named)")
-    full.add_argument("--img-dir", default="docs/img", help="where the PNG plots go (default docs/img; '' for none)")
-    full.add_argument("--replot", metavar="JSON", default=None,
-                      help="re-derive the table and plots from a saved --suite full JSON (runs nothing)")
-    full.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: smallest configuration
-    full.add_argument("--tp-library-credits", action="store_true",
-                      help="TP figure: keep the library's default engine credits (1,024 per peer, shared by the 4 "
-                           "prefill managers of the one Mooncake engine) instead of 256")
-    full.add_argument("--engine-threads", choices=("normal", "background"), default="normal",
-                      help="TransferConfig.engine_threads of every manager, both sides (default normal)")
-    full.add_argument("--nixl-progress-delay-us", type=int, default=0, metavar="US",
-                      help="TransferConfig.nixl_progress_delay_us of every manager, both sides (default 0: NIXL's "
-                           "progress thread polls without pause)")
-    full.add_argument("--no-yield-after-notify", action="store_true",
-                      help="TransferConfig.yield_after_notify=False for every manager, both sides")
-    full.add_argument("--floor-gap", type=float, default=None, metavar="SECONDS",
-                      help="floor phase: idle time before each repetition (default 0.001)")
-    sg = p.add_argument_group("--suite sglang")
-    sg.add_argument("--sizes", default=None,
-                    help="room sizes, comma-separated, of 4K,64K,8M,32M (default all); --repeats gives the rounds "
-                         "(default 5; 2 with --quick)")
-    sg.add_argument("--at-once", type=int, default=None,
-                    help="rooms in flight together in the 'at once' figure (default 64; 16 with --quick)")
-    dev = p.add_argument_group("--suite device")
-    dev.add_argument("--device", default="cuda:0",
-                     help="where both sides' KV lives (default cuda:0; cpu runs the same code on host tensors)")
+    p.add_argument("--out", default="bench-results/bench.json", metavar="JSON",
+                   help="JSON results (default %(default)s)")
+    p.add_argument("--log", default=None, metavar="PATH",
+                   help="where Mooncake's own log lines go, this process's and the decode's (default: --out "
+                        "with .log)")
+    p.add_argument("--suite", default=None, help=argparse.SUPPRESS)  # moved: says where to
     p.add_argument("--role", choices=("prefill", "decode"), default="prefill", help=argparse.SUPPRESS)
 
 
 def run(ns: argparse.Namespace) -> int:
     """Entry point of ``python -m aiotransfer bench``; returns the exit code."""
-    if getattr(ns, "suite", "default") == "lifecycle":
-        from .lifecycle import run_lifecycle
-
-        return run_lifecycle(ns)
-    if getattr(ns, "suite", "default") == "handshake":
-        from .handshake import run_handshake
-
-        return run_handshake(ns)
-    if getattr(ns, "suite", "default") == "streaming":
-        from .streaming import run_streaming
-
-        return run_streaming(ns)
-    if getattr(ns, "suite", "default") == "conversion":
-        from .conversion import run_conversion
-
-        return run_conversion(ns)
-    if getattr(ns, "suite", "default") == "vllm":
-        from .vllm_pd import from_bench_cli
-
-        return from_bench_cli(ns)
-    if getattr(ns, "suite", "default") == "sglang":
-        from .sglang.bench import run_sglang
-
-        return run_sglang(ns)
-    if getattr(ns, "suite", "default") == "device":
-        from .device_bench import run_device
-
-        return run_device(ns)
-    if getattr(ns, "suite", "default") == "full":
-        from .suite.run import run_suite
-
-        ns.repeats_given = ns.repeats
-        return run_suite(ns)
+    if ns.suite is not None and ns.suite != "default":
+        print(f"aiotransfer bench: the suites live in the repository, outside the installed package.\n"
+              f"From a checkout: python -m benchmarks {ns.suite} --help", file=sys.stderr)
+        return 2
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
-    if ns.out is None:
-        ns.out = "bench-results/bench.json"
     if ns.repeats is None:
         ns.repeats = 2 if ns.quick else 5
     if ns.c_requests is None:
@@ -598,19 +522,19 @@ def run(ns: argparse.Namespace) -> int:
             return asyncio.run(_decode_main(ns))
         except KeyboardInterrupt:
             return 130
-    try:
-        res = asyncio.run(_bench_main(ns))
-    except (AiotransferError, RuntimeError, ValueError, ImportError, asyncio.TimeoutError) as exc:
-        print(f"aiotransfer bench failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    print(_table(res))
-    out = ns.out
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out + ".tmp", "w") as f:
-        json.dump(res, f, indent=2)
-        f.write("\n")
-    os.replace(out + ".tmp", out)
-    print(f"results written to {out}")
+    log = ns.log or os.path.splitext(ns.out)[0] + ".log"
+    with console.session(log):
+        try:
+            res = asyncio.run(_bench_main(ns))
+        except (AiotransferError, RuntimeError, ValueError, ImportError, asyncio.TimeoutError) as exc:
+            print(f"aiotransfer bench failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            tail = console.log_tail(log)
+            if tail:
+                print(f"last lines of {log}:\n{tail}", file=sys.stderr, end="")
+            return 1
+        print(_table(res))
+        write_json(ns.out, res, indent=2)
+        print(f"results written to {ns.out}; Mooncake's log: {log}")
     return 0
 
 

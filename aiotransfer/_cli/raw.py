@@ -6,7 +6,7 @@ and is timed inside that thread, around the native calls.
 
 * the default ``bench`` (figures (a)-(c), Mooncake only): :data:`RAW_STYLES`, one function per native call
   style, over batches of (src, dst, length) lists; :func:`native_engine` hands out the native object;
-* ``bench --suite full`` (Mooncake and NIXL): :class:`RawEngine` and its drivers, from :func:`raw_engine`.
+* ``python -m benchmarks full`` (Mooncake and NIXL): :class:`RawEngine` and its drivers, from :func:`raw_engine`.
   :meth:`RawEngine.drain` also measures the calling thread's CPU time (the ``cpu`` phase).
 """
 
@@ -126,7 +126,7 @@ RAW_STYLES: dict[str, dict[str, RawFn]] = {
 
 
 # ----------------------------------------------------------------------------------------------------
-# bench --suite full: drivers per engine (Mooncake, NIXL)
+# python -m benchmarks full: drivers per engine (Mooncake, NIXL)
 # ----------------------------------------------------------------------------------------------------
 class RawEngine:
     """The native engine driven directly, as an expert would hand-code it."""

@@ -1,7 +1,7 @@
 """Interop tests against unmodified SGLang 0.5.23 (see docs/sglang-wire.md).
 
 SGLang runs in its own processes with the .interop-venv Python (built by scripts/interop-venv.sh), driven by
-aiotransfer/_cli/sglang/peer.py over the same JSON-line protocol as tests/peer.py, through tests/remote.py's
+benchmarks/sglang/peer.py over the same JSON-line protocol as tests/peer.py, through tests/remote.py's
 ``RemotePeer``. Nothing here imports SGLang: this package is imported by the project's own test run.
 """
 
@@ -12,8 +12,8 @@ import os
 import socket
 from typing import Any
 
-from aiotransfer._cli import sglang as _sglang
-from aiotransfer._cli.sglang import SGLANG_VERSION, interop_venv_problem
+from benchmarks import sglang as _sglang
+from benchmarks.sglang import SGLANG_VERSION, interop_venv_problem
 from tests.remote import RemotePeer
 
 __all__ = [
@@ -48,9 +48,9 @@ class SGLangRemote(RemotePeer):
 async def start_sglang_peer(
     role: str, bootstrap_port: int, *, timeout: float = 120.0, env: dict[str, str] | None = None, **opts: Any
 ) -> SGLangRemote:
-    """Start aiotransfer/_cli/sglang/peer.py (SGLang's real classes) and return a ``RemotePeer`` for it.
+    """Start benchmarks/sglang/peer.py (SGLang's real classes) and return a ``RemotePeer`` for it.
 
-    See :func:`aiotransfer._cli.sglang.start_sglang_peer` for ``opts`` and ``env``. The peer's ``endpoint``
+    See :func:`benchmarks.sglang.start_sglang_peer` for ``opts`` and ``env``. The peer's ``endpoint``
     is the bootstrap address (prefill) or its ZMQ PULL endpoint (decode); the rest of its hello line is in
     ``peer.hello``.
     """

@@ -1,4 +1,4 @@
-"""``aiotransfer bench --suite sglang`` end to end, smallest run: SGLang's own layer and aiotransfer, both
+"""``python -m benchmarks sglang`` end to end, smallest run: SGLang's own layer and aiotransfer, both
 timed and both verified. Skipped when .interop-venv is missing (``bash scripts/interop-venv.sh``)."""
 
 from __future__ import annotations
@@ -27,9 +27,7 @@ def test_quick_suite_reports_both_stacks(tmp_path: Path) -> None:
     argv = [
         sys.executable,
         "-m",
-        "aiotransfer",
-        "bench",
-        "--suite",
+        "benchmarks",
         "sglang",
         "--quick",
         "--sizes",

@@ -1,4 +1,4 @@
-"""Running the vLLM harness (``python -m aiotransfer._cli.vllm_pd``) from the tests, and what they check on
+"""Running the vLLM harness (``python -m benchmarks.vllm_pd``) from the tests, and what they check on
 its results alike."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def run_harness(python: str, workdir: Path, *args: str, timeout: float = 600.0) 
     workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / "result.json"
     log = workdir / "harness.log"
-    cmd = [python, "-m", "aiotransfer._cli.vllm_pd", *args, "--workdir", str(workdir), "--json", str(out)]
+    cmd = [python, "-m", "benchmarks.vllm_pd", *args, "--workdir", str(workdir), "--json", str(out)]
     t0 = time.monotonic()
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)

@@ -1,7 +1,7 @@
 """Prefill -> decode through unmodified vLLM for CPU, with AiotransferConnector and with vLLM's NixlConnector.
 
 The engines run under the vLLM venv's Python (``scripts/vllm-venv.sh`` builds it, cached per machine);
-this module, run from the main venv, drives ``python -m aiotransfer._cli.vllm_pd`` there as a subprocess
+this module, run from the main venv, drives ``python -m benchmarks.vllm_pd`` there as a subprocess
 and checks its JSON. The model is a Llama with seeded random weights, so the next token depends on the
 context: the negative control (decode over another request's KV) must give other tokens, which proves
 the token comparison can fail. One harness run is shared by many assertions to keep the engines' start-up

@@ -178,7 +178,7 @@ def server_env(omp_cpu: int) -> dict[str, str]:
 def stack(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     work = tmp_path_factory.mktemp("vllm-proxy")
     model = work / "model"
-    subprocess.run([vllm_python, "-c", "import sys; from aiotransfer._cli.vllm.model import make_tiny_llama; "
+    subprocess.run([vllm_python, "-c", "import sys; from benchmarks.vllm.model import make_tiny_llama; "
                     "make_tiny_llama(sys.argv[1])", str(model)], cwd=ROOT, check=True, capture_output=True,
                    timeout=120)
     t0 = time.monotonic()

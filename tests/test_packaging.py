@@ -1,0 +1,51 @@
+"""What ships: the wheel holds the library, ``doctor``, ``demo`` and the small ``bench``; the benchmark
+suites, the SGLang and vLLM harnesses and their stubs stay in the repository (``benchmarks/``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKSHOP = ("_cli/suite/", "_cli/sglang/", "_cli/vllm/", "stubs/", "IPython/", "sitecustomize.py",
+            "interop_stubs.py", "tiny-llama/", "vllm_pd.py", "device_bench.py", "hostile.py", "benchmarks/")
+"""Path parts no file of the wheel may have."""
+
+
+def _workshop(paths: list[str]) -> list[str]:
+    return [p for p in paths if any(w in p for w in WORKSHOP)]
+
+
+def test_the_package_config_ships_the_library_only() -> None:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert config["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"] == ["aiotransfer"]
+    files = [p.relative_to(ROOT).as_posix() for p in (ROOT / "aiotransfer").rglob("*")
+             if p.is_file() and "__pycache__" not in p.parts]
+    assert files and _workshop(files) == []
+    cli = {p.name for p in (ROOT / "aiotransfer" / "_cli").iterdir() if p.suffix == ".py"}
+    assert {"doctor.py", "demo.py", "bench.py"} <= cli and not {p for p in cli if "sglang" in p or "vllm" in p}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_wheel_holds_no_suites_harnesses_or_stubs(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+                          capture_output=True, text=True, timeout=280, check=False)
+    if proc.returncode != 0 and "hatchling" in proc.stdout + proc.stderr:
+        pytest.skip(f"the build backend cannot be installed here: {proc.stderr[-300:]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = tmp_path.glob("aiotransfer-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "aiotransfer/_cli/bench.py" in names and "aiotransfer/_cli/doctor.py" in names
+    assert "aiotransfer/py.typed" in names
+    assert _workshop(names) == [], _workshop(names)
+    assert all(n.startswith(("aiotransfer/", "aiotransfer-")) for n in names), names

@@ -43,7 +43,8 @@ class TransferConfig:
     """
 
     engine: str = "mooncake"
-    """Engine name: ``mooncake``, ``mooncake_tcp`` (forces TCP), ``nixl``, ``mori`` or a registered name."""
+    """Engine name: ``mooncake``, ``mooncake_tcp`` (forces TCP), ``nixl``, ``mori`` or a registered name; ``memory``
+    is the in-process engine for tests (:mod:`aiotransfer.testing`)."""
     protocol: str | None = None
     """Mooncake protocol; ``None`` falls back to ``$MOONCAKE_PROTOCOL`` then ``"rdma"``."""
     hostname: str = "127.0.0.1"

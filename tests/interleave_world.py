@@ -1,5 +1,5 @@
 """The world the interleaving tests explore (tests/test_interleavings.py): two prefill pipeline stages and a
-decode on a fake engine in one process, with real ZeroMQ on 127.0.0.1, a loop whose clock the test moves,
+decode on the memory engine (aiotransfer.testing) in one process, with real ZeroMQ on 127.0.0.1, a loop whose clock the test moves,
 held-back message delivery, and the invariants checked after every step."""
 
 from __future__ import annotations
@@ -21,17 +21,17 @@ from aiotransfer.control.messages import Status
 from aiotransfer.engines import registry
 from aiotransfer.receiver import KVReceiver, decode_reason
 from aiotransfer.sender import KVSender
-from tests.fake_engine import Fabric, FakeEngine, Page, Write
+from aiotransfer.testing import MemoryEngine, MemoryFabric, Page, Write
 from tests.interleave_parts import PAGES, STAGES, Mailbox, Node, Op, QuickContext, Room, SkewLoop, node_args
 
-ENGINE = "fake-interleave"
+ENGINE = "memory-interleave"
 ROOM_PAGES = 2
 ENGINE_TIMEOUT = 5.0
 QUARANTINE = 2 * ENGINE_TIMEOUT + 1.0
 """The release quarantine: a write the engine has not ended this long is beyond what the library promises
 (the decode releases its pages, the prefill abandons its handle); the checks count such writes apart."""
 LANDING_GRACE = 1.0
-"""How long a failed fake write may still land (``EngineTraits.landing_grace_s``)."""
+"""How long a failed write may still land (``EngineTraits.landing_grace_s``)."""
 MARGIN = 0.25
 """Loop seconds a bounded call may take past its timeout to notice it."""
 EXAMPLES = int(os.environ.get("AIOTRANSFER_INTERLEAVING_EXAMPLES", "0")) or 40
@@ -56,7 +56,8 @@ class World:
 
     def __init__(self) -> None:
         self.loop = SkewLoop()
-        self.fabric = Fabric(self.loop.time, ENGINE_TIMEOUT, LANDING_GRACE)
+        self.fabric = MemoryFabric(auto_complete=False, clock=self.loop.time, engine_timeout_s=ENGINE_TIMEOUT,
+                                   landing_grace_s=LANDING_GRACE)
         self.fabric.loop_thread = threading.get_ident()
         self.beyond_bound = 0
         """Checks skipped because the write outlived the release quarantine (its documented bound)."""
@@ -72,7 +73,7 @@ class World:
         self.steps = 0
         self.rids = iter(range(1, 1 << 30))
         self.fabric.owner = self._owner
-        registry.register_engine(ENGINE, lambda config: FakeEngine(self.fabric))
+        registry.register_engine(ENGINE, lambda config: MemoryEngine(self.fabric))
         self._context = zmq.Context
         zmq.Context = QuickContext  # type: ignore[misc]
 

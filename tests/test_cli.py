@@ -121,6 +121,12 @@ def test_demo_rejects_a_pool_too_small() -> None:
     assert "pool-pages" in proc.stderr
 
 
+def test_demo_refuses_the_in_process_test_engine() -> None:
+    from aiotransfer._cli import demo
+
+    assert demo.main(["--engine", "memory"]) == 2
+
+
 def test_bench_quick_writes_three_figures(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = _run("bench", "--quick", "--out", str(out), timeout=180)

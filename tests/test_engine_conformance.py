@@ -1,10 +1,11 @@
-"""The fake engine (tests/fake_engine.py) pinned against the real engines, behaviour by behaviour.
+"""The memory engine (aiotransfer.testing) pinned against the real engines, behaviour by behaviour.
 
-The interleaving and lifecycle tests trust the fake to answer as Mooncake and NIXL do; a fake that drifts
-from the engine makes them prove the wrong thing. So each behaviour the fake's docstring lists is shown here
-twice, with the same assertion function: ``test_X[mooncake]`` (or ``[nixl]``) on the real engine, across
-OS processes, and ``test_X[fake]`` on the fake. Each real scenario would fail against the fake's old model
-(an engine timeout ends the write; a FAILED write lands nothing).
+The interleaving and lifecycle tests, and users' own tests, trust the memory engine to answer as Mooncake and
+NIXL do; an engine that drifts from them makes those tests prove the wrong thing. So each behaviour the
+fabric's docstring lists is shown here twice, with the same assertion function: ``test_X[mooncake]`` (or
+``[nixl]``) on the real engine, across OS processes, and ``test_X[memory]`` on the memory engine, both told
+by bytes at the destination. Each real scenario would fail against an engine model in which an engine
+timeout ends the write, or a FAILED write lands nothing.
 
 The real side runs in a fresh process (tests/_conformance_peer.py) so the engine gets this module's
 settings (``MC_TRANSFER_TIMEOUT=5``, ``MC_TCP_STATUS_TIMEOUT_SEC=3``; the pytest process may already hold a
@@ -50,8 +51,8 @@ import pytest
 from aiotransfer.engines.base import EngineStatus, MemoryRegion, TransferHandle
 from aiotransfer.errors import EngineError
 from aiotransfer.plan import Blocks
+from aiotransfer.testing import MemoryEngine, MemoryFabric, Write
 from tests.conftest import nixl_available
-from tests.fake_engine import Fabric, FakeEngine
 
 HELPER = Path(__file__).with_name("_conformance_peer.py")
 TARGET = Path(__file__).with_name("_engine_peer.py")
@@ -153,37 +154,59 @@ def mooncake_stop() -> dict[str, Any]:
     return out
 
 
-# -- the fake's side ---------------------------------------------------------------------------------
+# -- the memory engine's side ---------------------------------------------------------------------------
+
+PAGE = 4096
 
 
 @dataclass
-class FakeRig:
+class MemoryRig:
     clock: SimpleNamespace
     """The fabric's clock: ``clock.t``."""
-    fabric: Fabric
-    src: FakeEngine
-    dst: FakeEngine
+    fabric: MemoryFabric
+    src: MemoryEngine
+    dst: MemoryEngine
     buf: np.ndarray
+    """The source's registered memory."""
+    into: np.ndarray
+    """The destination's registered memory (its KV buffer)."""
 
     def blocks(self, entries: int = 2) -> Blocks:
         """``entries`` pages from the source buffer into the destination's KV buffer."""
-        base, pages = int(self.buf.ctypes.data), np.arange(entries, dtype=np.uint64) * 4096
-        return Blocks(base + pages, (1 << 20) + pages, np.full(entries, 4096, dtype=np.uint64))
+        pages = np.arange(entries, dtype=np.uint64) * PAGE
+        return Blocks(int(self.buf.ctypes.data) + pages, int(self.into.ctypes.data) + pages,
+                      np.full(entries, PAGE, dtype=np.uint64))
 
-    def write(self, entries: int = 2) -> tuple[TransferHandle, Any]:
+    def write(self, entries: int = 2) -> tuple[TransferHandle, Write]:
+        self.buf[:] = ord("O")  # the bytes before the engine's answer
         handle = self.src.submit_write(self.dst.session_id, self.blocks(entries))
         return handle, self.fabric.writes[-1]
 
+    def rewrite(self) -> None:
+        """The sender rewrites its source after the engine's answer."""
+        self.buf[:] = ord("N")
 
-def fake_rig() -> FakeRig:
+    def marks(self, entries: int = 2) -> str:
+        """What each destination page holds: O, N, Z (nothing landed) or M (a mix), as on the real side."""
+        out = ""
+        for i in range(entries):
+            page = self.into[i * PAGE:(i + 1) * PAGE]
+            out += next((m for m, v in (("O", ord("O")), ("N", ord("N")), ("Z", 0)) if (page == v).all()), "M")
+        return out
+
+
+def memory_rig() -> MemoryRig:
     clock = SimpleNamespace(t=0.0)
-    fabric = Fabric(lambda: float(clock.t), engine_timeout_s=5.0, landing_grace_s=1.0)
-    src, dst = FakeEngine(fabric), FakeEngine(fabric)
-    buf = np.zeros(1 << 16, dtype=np.uint8)
+    fabric = MemoryFabric(auto_complete=False, clock=lambda: float(clock.t), engine_timeout_s=5.0,
+                          landing_grace_s=1.0)
+    src, dst = MemoryEngine(fabric), MemoryEngine(fabric)
+    buf, into = np.zeros(1 << 16, dtype=np.uint8), np.zeros(1 << 16, dtype=np.uint8)
     src.register([MemoryRegion(int(buf.ctypes.data), buf.nbytes)])
-    fabric.label(dst.session_id, "decode", [SimpleNamespace(ptr=1 << 20, nbytes=1 << 20, item_len=4096)])
+    dst.register([MemoryRegion(int(into.ctypes.data), into.nbytes)])
+    fabric.label(dst.session_id, "decode", [SimpleNamespace(ptr=int(into.ctypes.data), nbytes=into.nbytes,
+                                                            item_len=PAGE)])
     fabric.owner = lambda page: "room-1"
-    return FakeRig(clock, fabric, src, dst, buf)
+    return MemoryRig(clock, fabric, src, dst, buf, into)
 
 
 def drive(engine: Any, handle: TransferHandle) -> EngineStatus:
@@ -214,7 +237,7 @@ def assert_timeout_is_not_an_end(r: LateCompletion) -> None:
     assert r.ended.is_terminal
 
 
-@pytest.mark.parametrize("engine", ["mooncake", "fake"])
+@pytest.mark.parametrize("engine", ["mooncake", "memory"])
 def test_timeout_is_not_an_end(engine: str, request: pytest.FixtureRequest) -> None:
     if engine == "mooncake":
         out = request.getfixturevalue("mooncake_stop")
@@ -226,21 +249,20 @@ def test_timeout_is_not_an_end(engine: str, request: pytest.FixtureRequest) -> N
                                 "N" in marks, EngineStatus(w1["status"]))
         assert "Z" not in marks, marks  # every entry, failed or not, landed
     else:
-        rig = fake_rig()
+        rig = memory_rig()
         handle, write = rig.write()
         rig.clock.t = rig.fabric.engine_timeout_s + 0.5
         status = rig.src.check(handle)
-        live, landings = write in rig.fabric.live(), len(write.owners_seen)
-        rig.fabric.complete(write)
-        record = LateCompletion(handle.doomed is not None, status.is_terminal,
-                                live and len(write.owners_seen) > landings, drive(rig.src, handle))
+        rig.rewrite()
+        rig.fabric.complete(write)  # the peer resumed
+        record = LateCompletion(handle.doomed is not None, status.is_terminal, "N" in rig.marks(),
+                                drive(rig.src, handle))
     assert_timeout_is_not_an_end(record)
 
 
 def test_mooncake_batch_status_is_not_an_end() -> None:
-    """Mooncake's batch answer (the fake docstring's "``get_batch_transfer_status`` answers -1 while the batch
-    runs"; why the adapter posts entry by entry): -1 at the status deadline, after which the engine still reads
-    most of the batch from the source."""
+    """Mooncake's batch answer (why the adapter posts entry by entry): -1 at the status deadline, after which
+    the engine still reads most of the batch from the source."""
     with scenario("mooncake-batch", "mooncake_tcp", 16 * MiB, MOONCAKE_ENV, target_env={}) as (target, out):
         marks = target.landed(out["crcs"])
     assert out["rc"] == -1 and out["answered_at"] >= float(MOONCAKE_ENV["MC_TCP_STATUS_TIMEOUT_SEC"]) * 0.9, out
@@ -257,7 +279,7 @@ class PartialFailure:
     status: EngineStatus
     """...and answers this while another entry still runs..."""
     still_running: bool
-    """...which it does (real: bytes taken after the doom landed; fake: the write is live)."""
+    """...which it does (bytes taken after the doom landed)."""
     ended: EngineStatus
     """What the handle ended with once every entry ended."""
 
@@ -268,7 +290,7 @@ def assert_partial_failure(r: PartialFailure) -> None:
     assert r.ended is EngineStatus.FAILED
 
 
-@pytest.mark.parametrize("engine", ["mooncake", "fake"])
+@pytest.mark.parametrize("engine", ["mooncake", "memory"])
 def test_partial_failure(engine: str, request: pytest.FixtureRequest) -> None:
     if engine == "mooncake":
         # W2: a 4 KiB entry aimed outside the target's memory (on a stopped target the engine fails it at the
@@ -281,13 +303,15 @@ def test_partial_failure(engine: str, request: pytest.FixtureRequest) -> None:
                                 "N" in marks, EngineStatus(w2["status"]))
         assert "Z" not in marks, marks  # ...landed whole, its tail as rewritten (M: rewritten mid-send)
     else:
-        rig = fake_rig()
+        rig = memory_rig()
         handle, write = rig.write()
-        rig.fabric.fail_entry(write)
+        rig.fabric.fail_entry(write, 0)
         status = rig.src.check(handle)
-        live = write in rig.fabric.live()
-        rig.fabric.complete(write)
-        record = PartialFailure(handle.doomed is not None, status, live, drive(rig.src, handle))
+        rig.rewrite()
+        rig.fabric.complete(write)  # entry 1 was still running
+        marks = rig.marks()
+        record = PartialFailure(handle.doomed is not None, status, marks[1] == "N", drive(rig.src, handle))
+        assert marks[0] == "Z", marks  # the failed entry landed nothing
     assert_partial_failure(record)
 
 
@@ -306,11 +330,11 @@ class FailedMayLand:
 
 def assert_failed_write_may_land(r: FailedMayLand) -> None:
     assert r.status is EngineStatus.FAILED
-    assert r.landed_after, "nothing landed after FAILED: the fake's landing grace would be unfounded"
+    assert r.landed_after, "nothing landed after FAILED: the memory engine's landing grace would be unfounded"
     assert not r.read_after, "the engine read the source after FAILED: FAILED would not prove it quiesced"
 
 
-@pytest.mark.parametrize("engine", ["mooncake", "fake"])
+@pytest.mark.parametrize("engine", ["mooncake", "memory"])
 def test_failed_write_may_still_land(engine: str, request: pytest.FixtureRequest) -> None:
     if engine == "mooncake":
         # W3: one 1 MiB entry; the target was stopped from before the post until after the FAILED answer, so
@@ -320,18 +344,21 @@ def test_failed_write_may_still_land(engine: str, request: pytest.FixtureRequest
         assert w3["ended_at"] >= out["status_timeout_s"] * 0.9 and w3["ended_at"] < out["rewritten_at"], w3
         record = FailedMayLand(EngineStatus(w3["status"]), mark in "OMN", mark in "MN")
     else:
-        rig = fake_rig()
+        rig = memory_rig()
         handle, write = rig.write()
         rig.clock.t = 1.0
         rig.fabric.fail(write)
         status = drive(rig.src, handle)
+        rig.rewrite()
         rig.clock.t += rig.fabric.landing_grace_s / 2
-        landings = len(write.owners_seen)
+        assert rig.marks() == "ZZ"
         rig.fabric.land_late(write)
-        record = FailedMayLand(status, write in rig.fabric.live() and len(write.owners_seen) > landings, False)
+        marks = rig.marks()
+        record = FailedMayLand(status, "O" in marks, "N" in marks or "M" in marks)
+        rig.into[:] = 0
         rig.clock.t += rig.fabric.landing_grace_s
         rig.fabric.land_late(write)
-        assert write not in rig.fabric.live() and len(write.owners_seen) == landings + 1  # the grace is over
+        assert write not in rig.fabric.live() and rig.marks() == "ZZ"  # the grace is over
     assert_failed_write_may_land(record)
 
 
@@ -360,7 +387,7 @@ def assert_submit_waits_for_handshake(r: HandshakeHold) -> None:
     assert r.inline_after
 
 
-@pytest.mark.parametrize("engine", ["mooncake", "fake"])
+@pytest.mark.parametrize("engine", ["mooncake", "memory"])
 def test_submit_waits_for_handshake(engine: str) -> None:
     if engine == "mooncake":
         # A peer whose handshake port takes the engine's metadata request and never answers (the adapter's
@@ -374,7 +401,7 @@ def test_submit_waits_for_handshake(engine: str) -> None:
                                submit["posted"] and submit["returned_at"] >= released, not inline["posted"],
                                inline["returned_at"] >= released, out["inline_after"]["posted"])
     else:
-        rig, hold, times = fake_rig(), 0.3, dict[str, float]()
+        rig, hold, times = memory_rig(), 0.3, dict[str, float]()
         rig.fabric.hang_handshakes(True)
         shaker = threading.Thread(target=rig.src.connect, args=(rig.dst.session_id, b"", 0))
         shaker.start()
@@ -430,7 +457,8 @@ def assert_error_answer_is_not_an_end(r: ErrorNotEnd) -> None:
 
 
 @pytest.mark.parametrize(
-    "engine", [pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl not installed")), "fake"]
+    "engine", [pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl not installed")),
+               "memory"]
 )
 def test_error_answer_is_not_an_end(engine: str) -> None:
     if engine == "nixl":
@@ -445,16 +473,15 @@ def test_error_answer_is_not_an_end(engine: str) -> None:
         record = ErrorNotEnd(EngineStatus(forgotten["status"]), forgotten["doomed"] is not None,
                              EngineStatus(errored["status"]), errored["doomed"] is not None, mark == "N")
     else:
-        rig = fake_rig()
+        rig = memory_rig()
         handle, write = rig.write()
         rig.src.forget_peer(rig.dst.session_id)
         forgotten = rig.src.check(handle)
         forgotten_doomed = handle.doomed is not None
-        rig.fabric.fail_entry(write)
+        rig.fabric.fail_entry(write, 0)
         errored = rig.src.check(handle)
-        live, landings = write in rig.fabric.live(), len(write.owners_seen)
+        rig.rewrite()
         rig.fabric.complete(write)
-        record = ErrorNotEnd(forgotten, forgotten_doomed, errored, handle.doomed is not None,
-                             live and len(write.owners_seen) > landings)
+        record = ErrorNotEnd(forgotten, forgotten_doomed, errored, handle.doomed is not None, "N" in rig.marks())
         assert drive(rig.src, handle) is EngineStatus.FAILED
     assert_error_answer_is_not_an_end(record)

@@ -3,6 +3,7 @@
 * ``mooncake``: the real Mooncake TCP engine; the target buffer lives in another OS process.
 * ``nixl``: the real NIXL agent (UCX); the target lives in another OS process. Skipped if nixl is missing.
 * ``mori``: the MORI adapter over ``tests/fake_mori.py`` (MORI-IO needs ROCm); both engines in this process.
+* ``memory``: the in-memory test engine of ``aiotransfer.testing`` (auto mode); both engines in this process.
 
 Completion is driven by polling ``check``: a handle is over on DONE or FAILED, and a write the engine
 dooms (``handle.doomed``: it will not succeed, but the engine has not let go of its memory) counts as
@@ -37,8 +38,10 @@ from aiotransfer.engines.base import (
     TransferEngine,
     TransferHandle,
 )
+from aiotransfer.engines.registry import create_engine
 from aiotransfer.errors import ClosedError, EngineError, EngineUnavailable
 from aiotransfer.plan import Blocks
+from aiotransfer.testing import MemoryFabric
 from tests import fake_mori
 
 PEER_SCRIPT = Path(__file__).with_name("_engine_peer.py")
@@ -98,7 +101,7 @@ class ProcessPeer:
 
 
 class LocalPeer:
-    """The target engine in this process (MORI over the fake)."""
+    """The target engine in this process (MORI over the fake, or the memory engine)."""
 
     def __init__(self, engine: TransferEngine) -> None:
         self.engine = engine
@@ -139,6 +142,8 @@ class Rig:
             return self.engine._shared, "native"
         if self.kind == "nixl":
             return self.engine, "_agent"
+        if self.kind == "memory":
+            return self.engine, "fabric"
         return self.engine, "_engine"
 
 
@@ -152,6 +157,8 @@ def _make_engine(kind: str) -> Any:
             from aiotransfer.engines.nixl import NixlEngine
 
             return NixlEngine(TransferConfig(engine="nixl"))
+        if kind == "memory":
+            return create_engine(TransferConfig(engine="memory"))
         from aiotransfer.engines.mori import MoriEngine
 
         return MoriEngine(TransferConfig(engine="mori"))
@@ -159,13 +166,13 @@ def _make_engine(kind: str) -> Any:
         pytest.skip(f"{kind} engine unavailable here: {exc}")
 
 
-@pytest.fixture(scope="module", params=["mooncake", "nixl", "mori"])
+@pytest.fixture(scope="module", params=["mooncake", "nixl", "mori", "memory"])
 def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
     kind: str = request.param
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp, MemoryFabric():  # engine="memory" joins this fabric
         fake = fake_mori.install(mp.setitem) if kind == "mori" else None
         engine = _make_engine(kind)
-        peer: ProcessPeer | LocalPeer = LocalPeer(_make_engine(kind)) if kind == "mori" else ProcessPeer(
+        peer: ProcessPeer | LocalPeer = LocalPeer(_make_engine(kind)) if kind in ("mori", "memory") else ProcessPeer(
             "mooncake_tcp" if kind == "mooncake" else kind
         )
         src = np.random.default_rng(7).integers(0, 256, NBYTES, dtype=np.uint8)
@@ -224,6 +231,8 @@ def test_transport_is_truthful(rig: Rig) -> None:
     elif rig.kind == "nixl":
         tls = os.environ.get("UCX_TLS")
         assert rig.engine.transport == (f"ucx({tls})" if tls else "ucx")
+    elif rig.kind == "memory":
+        assert rig.engine.transport == "memory"
     else:
         assert rig.engine.transport == "rdma"  # the only data backend the adapter creates
 
@@ -305,6 +314,8 @@ def test_write_past_registered_memory_fails_cleanly(rig: Rig) -> None:
 def test_write_to_killed_peer_fails_cleanly(rig: Rig) -> None:
     if rig.kind == "mori":
         pytest.skip("in-process fake; peer death is covered by test_mori_peer_death_in_flight_fails_the_handle")
+    if rig.kind == "memory":
+        pytest.skip("in-process; peer death (MemoryFabric.kill) is covered by tests/test_memory_engine.py")
     victim = ProcessPeer("mooncake_tcp" if rig.kind == "mooncake" else rig.kind)
     try:
         rig.engine.connect(victim.session_id, victim.info, victim.probe)
@@ -432,7 +443,7 @@ def test_nixl_env_defaults() -> None:
 
 def test_nixl_rejects_bad_peer_info(rig: Rig) -> None:
     if rig.kind not in ("nixl", "mori"):
-        pytest.skip("Mooncake peers carry no engine info")
+        pytest.skip(f"{rig.kind} peers carry no engine info")
     with pytest.raises(EngineError, match=r"no .* from peer"):
         rig.engine.connect("someone", b"", 0)
     with pytest.raises(EngineError, match="malformed"):

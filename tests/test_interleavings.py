@@ -1,8 +1,8 @@
 """Interleavings of one room's awaits against aborts, timeouts, restarts and forged messages (DESIGN §7a).
 
-Three managers in this process on a fake engine (``tests/fake_engine.py``) and real ZeroMQ on 127.0.0.1:
-two prefill pipeline stages (PP 2, stage 0 the bootstrap leader) and one decode (PP 1) that pulls each
-room from both stages. The test owns the event loop (its clock can be moved forward), every engine
+Three managers in this process on the memory engine (``aiotransfer.testing``, manual mode) and real ZeroMQ
+on 127.0.0.1: two prefill pipeline stages (PP 2, stage 0 the bootstrap leader) and one decode (PP 1) that
+pulls each room from both stages. The test owns the event loop (its clock can be moved forward), every engine
 write's completion, engine credit (two entries in flight per peer), the delivery of the decode's
 topology and registration answers (held back to make a route slow), and a stage's mail (held back, then
 read later, or in the loop iteration whose poll sees one of its writes end: a message that arrived with the
@@ -26,7 +26,7 @@ step it checks:
     stage whose side of the room was released (it would never come: the pages would sit out the quarantine);
 (f) no engine call made on the event loop waited for the engine's mutex (a hanging handshake held it).
 
-The fake engine answers as the real engines do (tests/fake_engine.py, pinned by
+The memory engine answers as the real engines do (aiotransfer.testing, pinned by
 tests/test_engine_conformance.py): a write past the engine's timeout is doomed but still lands until it
 ends, a doomed write can complete late, one entry can fail while the others run, a failed write's bytes may
 land for ``LANDING_GRACE`` more, and a handshake holds the engine's mutex while the rules keep it hanging. A
@@ -450,17 +450,17 @@ def test_the_checks_catch_a_timeout_taken_for_an_end(monkeypatch: pytest.MonkeyP
     """Negative control: an adapter that answers FAILED once the engine's timeout passed (what the Mooncake
     adapter did with ``get_batch_transfer_status``'s -1 and ``transfer_check_status``'s -2) lets the prefill
     drain and the decode release pages the write still lands in: invariant (a)."""
-    from tests.fake_engine import FakeEngine
+    from aiotransfer.testing import MemoryEngine
 
-    check = FakeEngine.check
+    check = MemoryEngine.check
 
-    def timeout_is_an_end(self: FakeEngine, handle: Any) -> Any:
+    def timeout_is_an_end(self: MemoryEngine, handle: Any) -> Any:
         status = check(self, handle)
         if handle.doomed is not None and not handle.consumed:
             return handle.finish(EngineStatus.FAILED, handle.doomed)
         return status
 
-    monkeypatch.setattr(FakeEngine, "check", timeout_is_an_end)
+    monkeypatch.setattr(MemoryEngine, "check", timeout_is_an_end)
     with world() as w, pytest.raises(Violation, match=r"\(a\) write .* is live over decode page"):
         _a_write_that_outlives_the_engine_timeout(w)
 
@@ -500,9 +500,9 @@ def test_a_write_made_while_a_handshake_hangs_never_waits_on_the_loop() -> None:
 def test_the_checks_catch_a_loop_that_waits_on_the_engine_mutex(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: with the gate removed (writes always posted from the loop), the same write waits on
     the mutex the hanging handshake holds, on the loop: invariant (f)."""
-    from tests.fake_engine import FakeEngine
+    from aiotransfer.testing import MemoryEngine
 
-    monkeypatch.setattr(FakeEngine, "try_submit_inline", FakeEngine.submit_write)
+    monkeypatch.setattr(MemoryEngine, "try_submit_inline", MemoryEngine.submit_write)
     with world() as w, pytest.raises(Violation, match=r"\(f\) the event loop waited on the engine mutex"):
         _a_write_while_a_handshake_hangs(w)
 

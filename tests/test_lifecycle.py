@@ -341,17 +341,14 @@ async def test_an_abort_that_crosses_the_success_is_acknowledged_at_once(
     """The decode aborts a room while the prefill concludes it: the prefill reads the abort after its
     ``Success`` left but before the ``send_kv`` that sent it returned (the room ended, not yet released).
     Every write of the room had landed, so the prefill acknowledges the drain at once, and the decode's
-    pages are released without waiting out the quarantine. Two managers in this process on a fake engine
+    pages are released without waiting out the quarantine. Two managers in this process on the memory engine,
     whose completion the test gives; the loop is held while the abort travels, so the prefill reads the
     abort in the loop iteration that sees the write complete. Negative control (``acknowledged=False``): the
     acknowledgement for an ended Success room withheld, as before; the decode's pages then wait for the
     quarantine."""
-    from aiotransfer.engines import registry
-    from tests.fake_engine import Fabric, FakeEngine
+    from aiotransfer.testing import MemoryFabric
 
-    fabric = Fabric(time.monotonic)
-    fabric.owner = lambda page: None
-    registry.register_engine("fake-crossing", lambda config: FakeEngine(fabric))
+    fabric = MemoryFabric(auto_complete=False, engine_timeout_s=5.0, landing_grace_s=1.0)
     seen: list[tuple[KVPoll, bool]] = []
     on_abort = PrefillSide.on_abort
 
@@ -364,11 +361,12 @@ async def test_an_abort_that_crosses_the_success_is_acknowledged_at_once(
         return on_abort(self, msg)
 
     monkeypatch.setattr(PrefillSide, "on_abort", watched)
-    cfg = TransferConfig(engine="fake-crossing", staging="never", release_quarantine_s=30.0,
+    cfg = TransferConfig(engine="memory", staging="never", release_quarantine_s=30.0,
                          yield_after_notify=False, heartbeat_interval=1e5, peer_timeout=1e5)
     src = make_buffers(2, 16, 4096, seed=1)
     dst = make_buffers(2, 16, 4096, None)
     async with (
+        fabric,
         KVManager(KVArgs(src, page_size=16, dtype="uint8"), cfg) as prefill,
         KVManager(KVArgs(dst, page_size=16, dtype="uint8"), cfg) as decode,
     ):

@@ -502,13 +502,13 @@ class _Room:
         self.write_failures += 1
 
 
-def _entries(n: int, base: int) -> Blocks:
+def _entries(n: int, base: int, dst: int) -> Blocks:
     pages = np.arange(n, dtype=np.uint64) * 4096
-    return Blocks(base + pages, (1 << 20) + pages, np.full(n, 4096, dtype=np.uint64))
+    return Blocks(base + pages, dst + pages, np.full(n, 4096, dtype=np.uint64))
 
 
 async def test_an_abandoned_write_gives_its_credit_back_exactly_once() -> None:
-    """Writes give up in every way there is, on the test fake engine (tests/fake_engine.py: submits wait behind
+    """Writes give up in every way there is, on the memory engine (aiotransfer.testing, in manual mode: submits wait behind
     a hanging handshake on the driver, timeouts doom without ending): a write that times out while the driver
     still posts it (the post is adopted when it comes), one cancelled there, one the engine dooms and never
     ends (abandoned after ``expire_after``), one whose room failed before its post. Throughout, the entries
@@ -517,15 +517,16 @@ async def test_an_abandoned_write_gives_its_credit_back_exactly_once() -> None:
     from types import SimpleNamespace
 
     from aiotransfer.engines.base import MemoryRegion
-    from tests.fake_engine import Fabric, FakeEngine
+    from aiotransfer.testing import MemoryEngine, MemoryFabric
 
     cap = 4
     clock = SimpleNamespace(t=0.0)
-    fabric = Fabric(lambda: float(clock.t), engine_timeout_s=5.0)
-    src, dst, other = FakeEngine(fabric), FakeEngine(fabric), FakeEngine(fabric)
-    buf = np.zeros(1 << 16, dtype=np.uint8)
-    base = int(buf.ctypes.data)
+    fabric = MemoryFabric(auto_complete=False, clock=lambda: float(clock.t), engine_timeout_s=5.0, landing_grace_s=1.0)
+    src, dst, other = MemoryEngine(fabric), MemoryEngine(fabric), MemoryEngine(fabric)
+    buf, into = np.zeros(1 << 16, dtype=np.uint8), np.zeros(1 << 16, dtype=np.uint8)
+    base, dst_base = int(buf.ctypes.data), int(into.ctypes.data)
     src.register([MemoryRegion(base, buf.nbytes)])
+    dst.register([MemoryRegion(dst_base, into.nbytes)])
     src.connect(dst.session_id, b"", 0)
     driver = Driver("poller-credit-test")
     poller = Poller(cast(TransferEngine, src), driver, max_in_flight=cap, max_batch=1024, interval_min=0.0001,
@@ -555,15 +556,15 @@ async def test_an_abandoned_write_gives_its_credit_back_exactly_once() -> None:
         shaking = driver.call(src.connect, other.session_id, b"", 0)
         await _until(lambda: fabric.handshakes)
         with pytest.raises(TransferTimeout):
-            await poller.write(peer, _entries(2, base), timeout=0.05)
-        cancelled = asyncio.ensure_future(poller.write(peer, _entries(2, base), timeout=10))
+            await poller.write(peer, _entries(2, base, dst_base), timeout=0.05)
+        cancelled = asyncio.ensure_future(poller.write(peer, _entries(2, base, dst_base), timeout=10))
         await _until(lambda: driver.queued >= 3)
         cancelled.cancel()
         with pytest.raises(asyncio.CancelledError):
             await cancelled
         check()
         # both posts are still coming: their credit is still taken, so a third write waits for credit
-        late = asyncio.ensure_future(poller.write(peer, _entries(2, base), timeout=10))
+        late = asyncio.ensure_future(poller.write(peer, _entries(2, base, dst_base), timeout=10))
         await asyncio.sleep(0.05)
         check()
         fabric.hang_handshakes(False)
@@ -577,7 +578,7 @@ async def test_an_abandoned_write_gives_its_credit_back_exactly_once() -> None:
         await asyncio.wait_for(late, 5)
         # 2. A write the engine dooms (its timeout) and never ends: it fails at once, its credit stays taken
         # until the quarantine abandons it.
-        doomed = asyncio.ensure_future(poller.write(peer, _entries(3, base), timeout=10))
+        doomed = asyncio.ensure_future(poller.write(peer, _entries(3, base, dst_base), timeout=10))
         await _until(lambda: poller.in_flight == 1)
         clock.t += 10.0
         with pytest.raises(EngineError, match="engine timeout"):
@@ -586,9 +587,9 @@ async def test_an_abandoned_write_gives_its_credit_back_exactly_once() -> None:
         await _until(lambda: poller.expired == 1)
         # 3. A write whose room failed while it waited for credit posts nothing and gives its credit back.
         room = _Room()
-        blocker = asyncio.ensure_future(poller.write(peer, _entries(cap, base), timeout=10))
+        blocker = asyncio.ensure_future(poller.write(peer, _entries(cap, base, dst_base), timeout=10))
         await _until(lambda: poller.in_flight == 1)
-        refused = asyncio.ensure_future(poller.write(peer, _entries(2, base), timeout=10, guard=room))
+        refused = asyncio.ensure_future(poller.write(peer, _entries(2, base, dst_base), timeout=10, guard=room))
         await asyncio.sleep(0.01)
         room.failed = True
         fabric.complete(fabric.pending()[-1])

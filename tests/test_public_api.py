@@ -53,6 +53,7 @@ import aiotransfer
 from aiotransfer import TransferConfig, EngineUnavailable
 from aiotransfer.engines.registry import create_engine
 assert 'mooncake' not in sys.modules and 'torch' not in sys.modules
+assert 'aiotransfer.testing' not in sys.modules  # the test engine loads only when used
 try:
     create_engine(TransferConfig(engine='mooncake_tcp'))
 except EngineUnavailable as exc:
@@ -98,6 +99,20 @@ def test_every_public_module_declares_what_it_exports() -> None:
             if not n.startswith("_") and (inspect.isclass(v) or inspect.isfunction(v)) and v.__module__ == name
         }
         assert defined <= set(exported), f"{name} defines but does not export {sorted(defined - set(exported))}"
+
+
+def test_the_test_engine_is_public_and_selected_by_name() -> None:
+    """``aiotransfer.testing`` exports the fabric users steer and the engine ``engine="memory"`` creates."""
+    import aiotransfer.testing as testing
+    from aiotransfer.engines.registry import available_engines, create_engine
+
+    assert set(testing.__all__) == {"MemoryFabric", "Write", "Page", "MemoryEngine", "current_fabric",
+                                    "default_fabric"}
+    assert "memory" in available_engines()
+    with testing.MemoryFabric() as fabric:
+        engine = create_engine(aiotransfer.TransferConfig(engine="memory"))
+    assert isinstance(engine, testing.MemoryEngine) and engine.fabric is fabric
+    engine.close()
 
 
 def _module_imports(path: pathlib.Path, name: str) -> set[str]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -127,17 +126,16 @@ async def test_a_prefill_room_number_is_refused_while_its_writes_drain_and_while
     """On the prefill: a room that failed with an engine write still in flight holds its number until the
     engine ends the write, then for ``tombstone_ttl``; both refusals name the state. A room whose decode aborted
     it before the prefill opened it is the same request, not a reuse: its sender opens and fails at once with
-    the decode's reason. A fake engine whose completions the test gives, in this process."""
-    from aiotransfer.engines import registry
-    from tests.fake_engine import Fabric, FakeEngine
+    the decode's reason. The memory engine, its completions given by the test, in this process."""
+    from aiotransfer.testing import MemoryFabric
 
-    fabric = Fabric(time.monotonic)
-    registry.register_engine("fake-reuse", lambda config: FakeEngine(fabric))
-    cfg = TransferConfig(engine="fake-reuse", staging="never", yield_after_notify=False, heartbeat_interval=1e5,
+    fabric = MemoryFabric(auto_complete=False, engine_timeout_s=5.0, landing_grace_s=1.0)
+    cfg = TransferConfig(engine="memory", staging="never", yield_after_notify=False, heartbeat_interval=1e5,
                          peer_timeout=1e5)
     src = make_buffers(2, 16, 4096, seed=1)
     dst = make_buffers(2, 16, 4096, None)
     async with (
+        fabric,
         KVManager(KVArgs(src, page_size=16, dtype="uint8"), cfg) as pre,
         KVManager(KVArgs(dst, page_size=16, dtype="uint8"), cfg) as dec,
     ):

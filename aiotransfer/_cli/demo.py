@@ -405,6 +405,10 @@ def run(ns: argparse.Namespace) -> int:
             return asyncio.run(_decode_main(ns))
         except KeyboardInterrupt:
             return 130
+    if ns.engine == "memory":
+        print("aiotransfer demo: engine 'memory' (aiotransfer.testing) is for tests and works within one process; "
+              "the demo's decode runs in a second process: use mooncake_tcp or nixl", file=sys.stderr)
+        return 2
     try:
         res = asyncio.run(_prefill_main(ns))
     except ValueError as exc:

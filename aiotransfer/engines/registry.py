@@ -20,7 +20,10 @@ _ENGINES: dict[str, str] = {
     "mooncake_tcp": "aiotransfer.engines.mooncake:MooncakeEngine",
     "nixl": "aiotransfer.engines.nixl:NixlEngine",
     "mori": "aiotransfer.engines.mori:MoriEngine",
+    "memory": "aiotransfer.testing._engine:engine_from_config",
 }
+"""Engines that ship with aiotransfer. ``memory`` is for tests (:mod:`aiotransfer.testing`): it copies between
+host buffers of one process and never reaches another."""
 
 
 def register_engine(name: str, target: str | Callable[..., Any]) -> None:

@@ -30,6 +30,11 @@ class KVReceiver(RoomSide):
 
     Created by :meth:`KVManager.receiver`. Status: Bootstrapping -> WaitingForInput (metadata sent) ->
     Success when every required prefill rank reported Success, or Failed (sticky, with a reason).
+
+    A resource: ``async with mgr.receiver(room, peer) as rx:``. Leaving the block without Success (an
+    exception, a cancellation, a block that ended first) aborts the room on both sides with the cause as its
+    reason; every exit then waits for :meth:`released`, at most the release quarantine plus ``peer_timeout``,
+    through cancellations. The exception propagates unchanged.
     """
 
     def __init__(

@@ -65,6 +65,11 @@ class KVSender(RoomSide):
     Created by :meth:`KVManager.sender`. Status: Bootstrapping -> WaitingForInput (all decode ranks
     sent their page indices) -> Transferring -> Success, or Failed (sticky, with a reason that the decode
     side receives too).
+
+    A resource: ``async with mgr.sender(room) as tx:``. Leaving the block without Success (an exception,
+    a cancellation, a block that ended first) aborts the room on both sides with the cause as its reason;
+    every exit then waits for :meth:`released`, at most the release quarantine plus ``peer_timeout``, through
+    cancellations. The exception propagates unchanged.
     """
 
     def __init__(

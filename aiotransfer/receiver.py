@@ -389,7 +389,8 @@ class KVReceiver(RoomSide):
         Raises :class:`TransferTimeout` (``DEFAULT`` bound: the quarantine plus ``peer_timeout``); ``None``: no
         bound of its own (the room must end first; the quarantine bounds what follows). Cancelling it changes
         nothing. :meth:`is_released` is the non-blocking check."""
-        deadline = Deadline(seconds(timeout, self._exit_bound()))
+        cfg = self._ctx.config
+        deadline = Deadline(seconds(timeout, cfg.quarantine_s + cfg.peer_timeout))
         if not await self._wait_released(deadline.at):
             raise self._unreleased(deadline.budget)
 
@@ -400,11 +401,11 @@ class KVReceiver(RoomSide):
             room=self.room, peer=self.peer,
         )
 
-    def _exit_bound(self) -> float:
+    def _exit_bound(self) -> float | None:
         """The exit of ``async with`` waits for the release as :meth:`released` does by default: the quarantine
         plus ``peer_timeout``, past which a failed room's pages are released anyway."""
         cfg = self._ctx.config
-        return cfg.quarantine_s + cfg.peer_timeout
+        return None if self._ctx.closed else cfg.quarantine_s + cfg.peer_timeout
 
     def _waiting_for(self) -> str:
         if self._held_release is not None:

@@ -173,11 +173,11 @@ class KVSender(RoomSide):
             room=self.room, peer=self._peer_hint(),
         )
 
-    def _exit_bound(self) -> float:
+    def _exit_bound(self) -> float | None:
         """The exit of ``async with`` waits for the release at most the release quarantine plus
         ``peer_timeout``: past the quarantine the engine's handles that never ended are abandoned."""
         cfg = self._ctx.config
-        return cfg.quarantine_s + cfg.peer_timeout
+        return None if self._ctx.closed else cfg.quarantine_s + cfg.peer_timeout
 
     async def _run_or_fail(self, aw: Any) -> Any:
         """Await ``aw``; it is interrupted if the room fails meanwhile. Any error fails the room on both

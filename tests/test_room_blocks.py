@@ -352,6 +352,21 @@ async def test_a_block_cancelled_from_outside_exits_released_and_stays_cancelled
         assert dec.stats()["receivers_active"] == 0
 
 
+async def test_a_block_whose_manager_closed_under_it_exits_at_once(engine: str) -> None:
+    """Nothing proves a closed manager's pages released (the decode's quarantine would run 63 s): the block's
+    exit does not wait for it."""
+    async with pair(engine) as (pre, dec):
+        tx = pre.sender(5)
+        loop = asyncio.get_running_loop()
+        async with dec.receiver(5, pre.endpoint) as rx:
+            await rx.send_metadata([1, 2], timeout=10)
+            await tx.wait_ready(timeout=10)
+            await dec.aclose()
+            t0 = loop.time()
+        assert loop.time() - t0 < 20.0
+        assert rx.failure_reason == "manager closed" and not rx.is_released()
+
+
 # -- one meaning for a bound -------------------------------------------------------------------------------
 @pytest.mark.parametrize("form", FORMS)
 async def test_each_bound_on_the_decode_done_aborts_the_room_on_both_sides(engine: str, form: str) -> None:

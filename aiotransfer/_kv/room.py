@@ -179,10 +179,13 @@ class RoomSide:
         Then, whatever the outcome, wait for the release of its pages, bounded by :meth:`_exit_bound` and
         through cancellations (clean-up is shielded: a cancellation that comes meanwhile is raised once the
         wait is over). The exception that ended the block propagates unchanged; without one, pages not
-        released within the bound raise :class:`~aiotransfer.TransferTimeout`."""
+        released within the bound raise :class:`~aiotransfer.TransferTimeout`. A closed manager's room
+        exits at once."""
         if self._status is not KVPoll.Success:
             self._abandon(left_because(exc, self._status))
         bound = self._exit_bound()
+        if bound is None:
+            return
         deadline = asyncio.get_running_loop().time() + bound
         cancelled = False
         while True:
@@ -203,8 +206,9 @@ class RoomSide:
         background; nothing when the room is already terminal."""
         raise NotImplementedError
 
-    def _exit_bound(self) -> float:
-        """Seconds the exit of the room's block waits for the release (hook)."""
+    def _exit_bound(self) -> float | None:
+        """Seconds the exit of the room's block waits for the release (hook); None: no wait (the manager is
+        closed: nothing is proven any more, its memory stays registered while the engine holds any of it)."""
         raise NotImplementedError
 
     def _unreleased(self, budget: float) -> TransferTimeout:

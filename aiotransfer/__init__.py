@@ -5,6 +5,8 @@ The public surface is re-exported here; everything in underscore modules is inte
 
 from __future__ import annotations
 
+from ._deadline import DEFAULT as DEFAULT
+from ._deadline import Default as Default
 from ._lag import LoopLagMonitor as LoopLagMonitor
 from .args import Buffer as Buffer
 from .args import KVArgs as KVArgs
@@ -53,6 +55,8 @@ __all__ = [
     "PrometheusExporter",
     # configuration
     "AuxPath",
+    "DEFAULT",
+    "Default",
     "TransferConfig",
     # errors
     "AiotransferError",

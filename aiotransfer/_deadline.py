@@ -3,21 +3,61 @@
 A public coroutine turns its ``timeout`` into a :class:`Deadline` once; each step it awaits (a write, a
 control message, a wait for another chunk) asks the deadline how much time is left, so the call as a
 whole never outlives its timeout, however many steps it takes.
+
+A ``timeout`` argument is seconds, :data:`DEFAULT` (the configuration's bound for that call) or, where a call
+allows it, ``None`` (no bound of the call's own): :func:`seconds` tells them apart.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
+import math
 from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
-__all__ = ["Deadline", "reap", "within"]
+from .errors import InvalidArgument
+
+__all__ = ["DEFAULT", "Deadline", "Default", "reap", "seconds", "within"]
 
 T = TypeVar("T")
 
 _FLOOR = 0.001
 """The least time a step is given, so that a step whose result is already there can still be collected."""
+
+
+class Default(enum.Enum):
+    """The type of :data:`DEFAULT` (one value), for annotations: ``timeout: float | Default | None``."""
+
+    DEFAULT = "DEFAULT"
+
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+
+DEFAULT: Final = Default.DEFAULT
+"""``timeout=DEFAULT`` (every call's default): the matching bound of the manager's
+:class:`~aiotransfer.TransferConfig`. ``timeout=None`` is no bound of the call's own, where the call takes it."""
+
+
+def seconds(timeout: float | Default | None, default: float, *, what: str = "") -> float:
+    """The budget of a call, in seconds: ``default`` for :data:`DEFAULT`, infinity for ``None``.
+
+    ``what`` names a call that moves data and must stay bounded: ``None`` is then refused
+    (:class:`~aiotransfer.InvalidArgument`, saying what to pass instead)."""
+    if timeout is DEFAULT:
+        return default
+    if timeout is None:
+        if what:
+            raise InvalidArgument(
+                f"{what} moves data and needs a bound: pass timeout=<seconds>, or leave it out for the "
+                "configured default; timeout=None (no bound) is for the waits (wait_ready, done, released) only"
+            )
+        return math.inf
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout):
+        raise InvalidArgument(f"timeout must be seconds, None or DEFAULT, got {timeout!r}")
+    return float(timeout)
 
 
 class Deadline:

@@ -38,8 +38,9 @@ def _positive(name: str, value: float | None, *, allow_none: bool = False) -> No
 class TransferConfig:
     """Everything a :class:`~aiotransfer.KVManager` needs besides its buffers.
 
-    Timeouts are seconds. Every public coroutine takes ``timeout=None`` meaning "use the matching
-    default here"; no wait in the library is unbounded.
+    Timeouts are seconds. Every public coroutine takes ``timeout=DEFAULT`` meaning "use the matching
+    default here"; ``timeout=None`` (the waits ``wait_ready``, ``done``, ``released`` only) is no bound of
+    the call's own, and the room's own bounds (liveness, the release quarantine) still end it.
     """
 
     engine: str = "mooncake"

@@ -329,7 +329,8 @@ class KVManager:
             raise InvalidArgument(f"too many active rooms ({self.config.max_rooms}); raise max_rooms")
 
     def sender(self, room: int) -> KVSender:
-        """Create the prefill side of ``room`` (Bootstrapping until decode's metadata arrives).
+        """Create the prefill side of ``room`` (Bootstrapping until decode's metadata arrives); use it as
+        ``async with mgr.sender(room) as tx:`` (see :class:`KVSender`).
 
         A room number names one request until its pages are released: :class:`InvalidArgument`, naming the
         state, while a sender of that number is open, has ended and still holds its pages, or failed here less
@@ -346,7 +347,8 @@ class KVManager:
     def receiver(self, room: int, peer: str, *, prefill_dp_rank: int | None = None) -> KVReceiver:
         """Create the decode side of ``room``, pulling from the prefill deployment whose bootstrap leader
         (or single rank) is at ``peer`` (``host:port``). ``prefill_dp_rank`` picks the attention-DP group
-        (default ``room % dp_size``).
+        (default ``room % dp_size``). Use it as ``async with mgr.receiver(room, peer) as rx:`` (see
+        :class:`KVReceiver`).
 
         A room number names one request until its pages are released: :class:`InvalidArgument`, naming the
         state, while a receiver of that number is open, or has ended and awaits its drain acknowledgement, is

@@ -11,7 +11,7 @@ import msgspec
 import numpy as np
 
 from . import _trace
-from ._deadline import Deadline
+from ._deadline import DEFAULT, Deadline, Default, seconds
 from ._kv.client import PrefillClient, Route
 from ._kv.context import RankContext, annotate, validate_state_indices
 from ._kv.ledger import Ledger
@@ -30,6 +30,11 @@ class KVReceiver(RoomSide):
 
     Created by :meth:`KVManager.receiver`. Status: Bootstrapping -> WaitingForInput (metadata sent) ->
     Success when every required prefill rank reported Success, or Failed (sticky, with a reason).
+
+    A resource: ``async with mgr.receiver(room, peer) as rx:``. Leaving the block without Success (an
+    exception, a cancellation, a block that ended first) aborts the room on both sides with the cause as its
+    reason; every exit then waits for :meth:`released`, at most the release quarantine plus ``peer_timeout``,
+    through cancellations. The exception propagates unchanged.
     """
 
     def __init__(
@@ -105,7 +110,7 @@ class KVReceiver(RoomSide):
         state_indices: Mapping[str, Sequence[int]] | None = None,
         *,
         num_tokens: int | None = None,
-        timeout: float | None = None,
+        timeout: float | Default = DEFAULT,
     ) -> None:
         """Tell the prefill rank(s) where to write: local page indices, aux slot and state slots.
 
@@ -115,10 +120,12 @@ class KVReceiver(RoomSide):
         ``MAX_ROOM_PAGES``, 1 Mi, pages and as many state indices per kind), the pages exactly those
         ``num_tokens`` need, aux slot in range.
         The first call to a peer also registers this rank's buffers with it (bounded handshake);
-        ``timeout`` bounds the whole call.
+        ``timeout`` (``DEFAULT``: ``handshake_timeout``) bounds the whole call; a call that reaches out takes no
+        ``None``.
         """
         ctx = self._ctx
         ctx.check_open()
+        budget = seconds(timeout, ctx.config.handshake_timeout, what="send_metadata")
         if self._status is KVPoll.Failed:
             raise TransferFailed(self._reason or "failed", room=self.room)
         if self._sent:
@@ -146,7 +153,7 @@ class KVReceiver(RoomSide):
         states = validate_state_indices(ctx.args, state_indices or {})
         if any(len(idx) > MAX_ROOM_PAGES for idx in states.values()):
             raise InvalidArgument(f"a room names at most {MAX_ROOM_PAGES} state indices of one kind")
-        deadline = Deadline(ctx.config.handshake_timeout if timeout is None else timeout)
+        deadline = Deadline(budget)
         self._sent = True
         self._pages = pages
         self._num_tokens = pages.size * ctx.args.page_size if num_tokens is None else num_tokens
@@ -181,16 +188,25 @@ class KVReceiver(RoomSide):
         self.aux_index = aux_index
         self.state_indices = states
 
-    async def done(self, timeout: float | None = None) -> None:
+    async def done(self, timeout: float | Default | None = DEFAULT) -> None:
         """Wait until every required prefill rank reported Success.
 
         Raises :class:`TransferFailed` (``.reason`` says why, as reported by prefill) or
-        :class:`TransferTimeout` (the room is then failed and prefill is told).
+        :class:`TransferTimeout` (the room is then failed and prefill is told). ``timeout``: seconds,
+        ``DEFAULT`` (``done_timeout``) or ``None`` (no bound of its own: the room still ends on a failure, an
+        abort, or a prefill rank's death within about ``peer_timeout + heartbeat_interval``). A cancellation of
+        this call aborts the room as the timeout does (``aborted by decode: done() cancelled``) and stays a
+        cancellation.
         """
         ctx = self._ctx
         ctx.check_open()
-        deadline = Deadline(ctx.config.done_timeout if timeout is None else timeout)
-        if not await self._wait_until(lambda: self._status.is_terminal, deadline.at):
+        deadline = Deadline(seconds(timeout, ctx.config.done_timeout))
+        try:
+            ended = await self._wait_until(lambda: self._status.is_terminal, deadline.at)
+        except asyncio.CancelledError:
+            self._abandon("done() cancelled")
+            raise
+        if not ended:
             await self.abort(f"decode gave up waiting after {deadline.budget:.3g}s")
             raise TransferTimeout(f"room {self.room}: no completion within {deadline.budget:.3g}s",
                                   room=self.room, peer=self.peer)
@@ -200,13 +216,20 @@ class KVReceiver(RoomSide):
 
     async def abort(self, reason: str = "aborted by decode") -> None:
         """Fail the room here and tell every prefill rank that may hold it, whether or not the metadata
-        was delivered (each then stops posting writes for it and acknowledges the drain)."""
+        was delivered (each then stops posting writes for it and acknowledges the drain). Nothing when the
+        room already ended."""
         if self._status.is_terminal:
             return
         reason = decode_reason(reason)
         self._aborting = True  # the notice goes out below, awaited, instead of from the status change
         self.update(KVPoll.Failed, reason)
         await self._notifier.abort(self.room, self._abort_targets(), reason)
+
+    def _abandon(self, reason: str) -> None:
+        """:meth:`abort` without awaiting: the room fails at once; the status change sends the notice in the
+        background."""
+        if not self._status.is_terminal:
+            self.update(KVPoll.Failed, decode_reason(reason))
 
     def _failed(self) -> bool:
         return self._status is KVPoll.Failed
@@ -357,22 +380,32 @@ class KVReceiver(RoomSide):
         """Prefill ranks whose drain this failed room still waits for before its pages are released."""
         return sorted(self._undrained) if not self.is_released() else []
 
-    async def released(self, timeout: float | None = None) -> None:
+    async def released(self, timeout: float | Default | None = DEFAULT) -> None:
         """Wait until this room's pages are safe to reuse: no prefill write of it can land any more.
 
         After ``Success`` that is at once. After a failure or abort, once every prefill rank asked to
         write here has acknowledged its drain, or has been proven gone (its process replaced, or its
         control port refusing connections), or the quarantine (``release_quarantine_s``) elapsed.
-        Raises :class:`TransferTimeout` (default bound: the quarantine plus ``peer_timeout``);
-        :meth:`is_released` is the non-blocking check."""
+        Raises :class:`TransferTimeout` (``DEFAULT`` bound: the quarantine plus ``peer_timeout``); ``None``: no
+        bound of its own (the room must end first; the quarantine bounds what follows). Cancelling it changes
+        nothing. :meth:`is_released` is the non-blocking check."""
         cfg = self._ctx.config
-        deadline = Deadline(cfg.quarantine_s + cfg.peer_timeout if timeout is None else timeout)
+        deadline = Deadline(seconds(timeout, cfg.quarantine_s + cfg.peer_timeout))
         if not await self._wait_released(deadline.at):
-            raise TransferTimeout(
-                f"room {self.room}: pages not released within {deadline.budget:.3g}s "
-                f"({self._status.name}; waiting for {self._waiting_for()})",
-                room=self.room, peer=self.peer,
-            )
+            raise self._unreleased(deadline.budget)
+
+    def _unreleased(self, budget: float) -> TransferTimeout:
+        return TransferTimeout(
+            f"room {self.room}: pages not released within {budget:.3g}s "
+            f"({self._status.name}; waiting for {self._waiting_for()})",
+            room=self.room, peer=self.peer,
+        )
+
+    def _exit_bound(self) -> float | None:
+        """The exit of ``async with`` waits for the release as :meth:`released` does by default: the quarantine
+        plus ``peer_timeout``, past which a failed room's pages are released anyway."""
+        cfg = self._ctx.config
+        return None if self._ctx.closed else cfg.quarantine_s + cfg.peer_timeout
 
     def _waiting_for(self) -> str:
         if self._held_release is not None:

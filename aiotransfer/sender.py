@@ -12,14 +12,14 @@ from typing import Any
 import numpy as np
 
 from . import _trace
-from ._deadline import Deadline, within
+from ._deadline import DEFAULT, Deadline, Default, seconds, within
 from ._device import check_ready, wait_device_work
 from ._kv.context import RankContext, annotate, validate_state_indices
 from ._kv.ledger import Ledger
 from ._kv.notify import Notifier
 from ._kv.peers import DecodePeer
 from ._kv.push import Pusher, RoomWrites
-from ._kv.room import RoomSide
+from ._kv.room import RoomSide, prefill_reason
 from .control.messages import TransferRequest
 from .errors import InvalidArgument, PeerError, TransferFailed, TransferTimeout
 from .plan import as_index_array, check_range, unit_span
@@ -65,6 +65,11 @@ class KVSender(RoomSide):
     Created by :meth:`KVManager.sender`. Status: Bootstrapping -> WaitingForInput (all decode ranks
     sent their page indices) -> Transferring -> Success, or Failed (sticky, with a reason that the decode
     side receives too).
+
+    A resource: ``async with mgr.sender(room) as tx:``. Leaving the block without Success (an exception,
+    a cancellation, a block that ended first) aborts the room on both sides with the cause as its reason;
+    every exit then waits for :meth:`released`, at most the release quarantine plus ``peer_timeout``, through
+    cancellations. The exception propagates unchanged.
     """
 
     def __init__(
@@ -148,19 +153,31 @@ class KVSender(RoomSide):
         """Engine operations and worker-thread copies of this room still pending (they pin its pages)."""
         return self._ledger.held
 
-    async def released(self, timeout: float | None = None) -> None:
+    async def released(self, timeout: float | Default | None = DEFAULT) -> None:
         """Wait until this room's source pages (and its staging space) are safe to reuse: the room is
         terminal and every engine handle that read them, and every copy of them on a worker thread, is
         over. After ``Success`` that is at once; after a failure, abort or cancellation, once the engine
-        reports the room's last handle terminal. Raises :class:`TransferTimeout` (``done_timeout`` by
-        default): the pages then stay out of reach. :meth:`is_released` is the non-blocking check."""
-        deadline = Deadline(self._ctx.config.done_timeout if timeout is None else timeout)
+        reports the room's last handle terminal, or, for a handle the engine never ends, once the release
+        quarantine (``release_quarantine_s``) abandons it. Raises :class:`TransferTimeout` (``done_timeout``
+        by default): the pages then stay out of reach. ``timeout=None``: no bound of its own (the room must
+        end first; the quarantine bounds what follows). Cancelling it changes nothing. :meth:`is_released` is
+        the non-blocking check."""
+        deadline = Deadline(seconds(timeout, self._ctx.config.done_timeout))
         if not await self._wait_released(deadline.at):
-            raise TransferTimeout(
-                f"room {self.room}: pages not released within {deadline.budget:.3g}s "
-                f"({self._status.name}, {self._ledger.held} engine operations pending)",
-                room=self.room, peer=self._peer_hint(),
-            )
+            raise self._unreleased(deadline.budget)
+
+    def _unreleased(self, budget: float) -> TransferTimeout:
+        return TransferTimeout(
+            f"room {self.room}: pages not released within {budget:.3g}s "
+            f"({self._status.name}, {self._ledger.held} engine operations pending)",
+            room=self.room, peer=self._peer_hint(),
+        )
+
+    def _exit_bound(self) -> float | None:
+        """The exit of ``async with`` waits for the release at most the release quarantine plus
+        ``peer_timeout``: past the quarantine the engine's handles that never ended are abandoned."""
+        cfg = self._ctx.config
+        return None if self._ctx.closed else cfg.quarantine_s + cfg.peer_timeout
 
     async def _run_or_fail(self, aw: Any) -> Any:
         """Await ``aw``; it is interrupted if the room fails meanwhile. Any error fails the room on both
@@ -278,13 +295,17 @@ class KVSender(RoomSide):
         return out
 
     # -- public API -----------------------------------------------------------------------------
-    async def wait_ready(self, timeout: float | None = None) -> None:
+    async def wait_ready(self, timeout: float | Default | None = DEFAULT) -> None:
         """Wait until every required decode rank has sent its page indices (WaitingForInput).
 
-        On timeout the room fails (decode never spoke) and :class:`TransferTimeout` is raised.
+        ``timeout``: seconds, ``DEFAULT`` (``ready_timeout``) or ``None`` (until the decode speaks, aborts or
+        the manager closes: no liveness bound applies before the decode has spoken). On expiry the room fails
+        on both sides (decode never spoke) and :class:`TransferTimeout` is raised; a cancellation of this
+        call (``asyncio.timeout``, ``wait_for``, a cancel scope, ``task.cancel()``) aborts the room the same
+        way, with ``wait_ready() cancelled`` as the reason, and stays a cancellation.
         """
         self._ctx.check_open()
-        t = self._ctx.config.ready_timeout if timeout is None else timeout
+        t = seconds(timeout, self._ctx.config.ready_timeout)
         try:
             await self._wait_for_status(
                 lambda: self._status is not KVPoll.Bootstrapping, Deadline(t), "WaitingForInput (decode metadata)"
@@ -292,10 +313,13 @@ class KVSender(RoomSide):
         except TransferTimeout as exc:
             await self._fail(f"decode metadata did not arrive within {t:.3g}s")
             raise exc
+        except asyncio.CancelledError:
+            self._abandon("wait_ready() cancelled")
+            raise
         self._raise_if_failed()
 
     async def send_kv(self, indices: Any, last: bool = True, *, ready: Any = None,
-                      timeout: float | None = None) -> None:
+                      timeout: float | Default = DEFAULT) -> None:
         """Send the pages ``indices`` (local page indices) as the next chunk.
 
         ``indices``: a 1-D integer array (NumPy, or anything ``np.asarray`` reads without a copy, such as a
@@ -304,7 +328,8 @@ class KVSender(RoomSide):
 
         Chunks fill consecutive slices of the decode's page list. With ``last=True`` (default) the chunk
         must complete the list; the room then concludes Success once aux/state declared by decode have
-        been delivered too. ``timeout`` bounds the whole call, the conclusion included. Raises
+        been delivered too. ``timeout`` (``DEFAULT``: ``transfer_timeout``) bounds the whole call, the
+        conclusion included; a call that moves data takes no ``None``. Raises
         :class:`InvalidArgument` before any byte moves on bad input.
 
         ``ready``: the device work that writes these pages, as an object whose ``query()`` says whether it
@@ -312,12 +337,13 @@ class KVSender(RoomSide):
         is; it is polled from the loop, within ``timeout``, as for :meth:`KVStream.send_layers`.
         """
         ctx = self._ctx
+        budget = seconds(timeout, ctx.config.transfer_timeout, what="send_kv")
         check_ready(ready, f"room {self.room}")
         reserved = self._reserve(indices, last)
         if reserved is None:
             return
         src, start = reserved
-        deadline = Deadline(ctx.config.transfer_timeout if timeout is None else timeout)
+        deadline = Deadline(budget)
         self.update(KVPoll.Transferring)
         give_back = self._ledger.take()  # before the first await: the room cannot be released under this call
         end_chunk = self._chunk()
@@ -409,18 +435,18 @@ class KVSender(RoomSide):
         return KVStream(self.room, int(src.size), layers, last,
                         functools.partial(self._send_layers, src, start, last, self._chunk()))
 
-    async def _no_layers(self, layers: frozenset[int], complete: bool, timeout: float | None, ready: Any) -> None:
+    async def _no_layers(self, layers: frozenset[int], complete: bool, timeout: float | Default, ready: Any) -> None:
         return None  # a dummy rank's chunk: nothing moves
 
     async def _send_layers(self, src: np.ndarray, start: int, last: bool, end_stream: Callable[[], None],
-                           layers: frozenset[int], complete: bool, timeout: float | None, ready: Any) -> None:
+                           layers: frozenset[int], complete: bool, timeout: float | Default, ready: Any) -> None:
         """One ``send_layers`` call of a stream; the stream counts as a chunk in flight (``end_stream``) until
         the call that sends its last layers ends. ``ready``: device work to wait for before any byte moves
         (a wait that times out fails the room, as a write that times out does)."""
         ctx = self._ctx
         ctx.check_open()
         self._raise_if_failed()
-        deadline = Deadline(ctx.config.transfer_timeout if timeout is None else timeout)
+        deadline = Deadline(seconds(timeout, ctx.config.transfer_timeout, what="send_layers"))
         t0 = time.monotonic()
         give_back = self._ledger.take()  # before the first await: the room cannot be released under this call
         end_call = self._chunk()
@@ -525,7 +551,7 @@ class KVSender(RoomSide):
         if self._status is KVPoll.Success:
             raise InvalidArgument(f"room {self.room} already concluded")
 
-    async def send_aux(self, aux_index: int, *, timeout: float | None = None) -> None:
+    async def send_aux(self, aux_index: int, *, timeout: float | Default = DEFAULT) -> None:
         """Send local aux slot ``aux_index`` into the slot each decode rank declared.
 
         The path (engine or TCP control channel) follows :func:`aiotransfer.aux_state.select_aux_path`; on the
@@ -534,6 +560,7 @@ class KVSender(RoomSide):
         """
         self._check_sendable()
         ctx = self._ctx
+        budget = seconds(timeout, ctx.config.transfer_timeout, what="send_aux")
         if self.is_dummy:
             return  # a dummy rank sends nothing; its decode peers did not ask it for aux
         if self._aux_sent:
@@ -543,7 +570,7 @@ class KVSender(RoomSide):
         slots = min(b.num_items for b in ctx.args.aux)
         if isinstance(aux_index, bool) or not isinstance(aux_index, (int, np.integer)) or not 0 <= aux_index < slots:
             raise InvalidArgument(f"aux_index {aux_index!r} out of range [0, {slots})")
-        deadline = Deadline(ctx.config.transfer_timeout if timeout is None else timeout)
+        deadline = Deadline(budget)
         self.update(KVPoll.Transferring)
         dsts = [d for d in self._real_dsts() if d.request.aux_index >= 0]
         give_back = self._ledger.take()  # before the first await: the room cannot be released under this call
@@ -558,7 +585,8 @@ class KVSender(RoomSide):
         finally:
             give_back()
 
-    async def send_state(self, states: Mapping[str, Any], *, ready: Any = None, timeout: float | None = None) -> None:
+    async def send_state(self, states: Mapping[str, Any], *, ready: Any = None,
+                         timeout: float | Default = DEFAULT) -> None:
         """Send per-request state: ``{kind: local indices}`` (one slot for ``mamba``; pages for ``swa``/``nsa``).
 
         Kinds and counts must match what decode declared in ``send_metadata``; a mismatch fails the room on
@@ -567,6 +595,7 @@ class KVSender(RoomSide):
         self._check_sendable()
         check_ready(ready, f"room {self.room}")
         ctx = self._ctx
+        budget = seconds(timeout, ctx.config.transfer_timeout, what="send_state")
         if self.is_dummy:
             return  # a dummy rank sends nothing; its decode peers did not ask it for state
         if self._state_sent:
@@ -586,7 +615,7 @@ class KVSender(RoomSide):
         if problem is not None:
             await self._fail(problem)
             raise TransferFailed(problem, room=self.room)
-        deadline = Deadline(ctx.config.transfer_timeout if timeout is None else timeout)
+        deadline = Deadline(budget)
         self.update(KVPoll.Transferring)
         give_back = self._ledger.take()  # before the first await: the room cannot be released under this call
         try:
@@ -602,18 +631,42 @@ class KVSender(RoomSide):
         finally:
             give_back()
 
-    async def done(self, timeout: float | None = None) -> None:
-        """Wait for Success; raises :class:`TransferFailed` (with ``.reason``) or :class:`TransferTimeout`."""
+    async def done(self, timeout: float | Default | None = DEFAULT) -> None:
+        """Wait for Success; raises :class:`TransferFailed` (with ``.reason``) or :class:`TransferTimeout`.
+
+        ``timeout``: seconds, ``DEFAULT`` (``done_timeout``) or ``None`` (no bound of its own: the room still
+        ends on a failure, an abort, the decode's death within about ``peer_timeout + heartbeat_interval``,
+        or the bounds of the sends that conclude it). On expiry the room is aborted on both sides
+        (``aborted by prefill: prefill gave up waiting after ...``); a cancellation of this call aborts it the
+        same way (``aborted by prefill: done() cancelled``) and stays a cancellation.
+        """
         self._ctx.check_open()
-        t = self._ctx.config.done_timeout if timeout is None else timeout
-        await self._wait_for_status(lambda: self._status.is_terminal, Deadline(t), "a terminal status")
+        t = seconds(timeout, self._ctx.config.done_timeout)
+        try:
+            await self._wait_for_status(lambda: self._status.is_terminal, Deadline(t), "a terminal status")
+        except TransferTimeout:
+            await self.abort(f"prefill gave up waiting after {t:.3g}s")
+            raise
+        except asyncio.CancelledError:
+            self._abandon("done() cancelled")
+            raise
         self._raise_if_failed()
 
     async def abort(self, reason: str = "aborted by prefill") -> None:
         """Fail the room here and on every decode rank that asked for it; both sides record the same reason
-        (``aborted by prefill: <reason>``)."""
-        await self._fail(reason if reason.startswith("aborted by prefill") else
-                         f"aborted by prefill: {reason or 'no reason given'}")
+        (``aborted by prefill: <reason>``). Nothing when the room already ended."""
+        await self._fail(prefill_reason(reason))
+
+    def _abandon(self, reason: str) -> None:
+        """:meth:`abort` without awaiting: the room fails at once, the notice leaves in the background."""
+        if self._status.is_terminal:
+            return
+        reason = prefill_reason(reason)
+        ctx = self._ctx
+        if self._dsts and ctx.started and not ctx.closed:
+            # spawned before the status changes: the drain notice that the change may spawn leaves after it
+            ctx.spawn(self._notifier.failure(self.room, list(self._dsts), reason), "abort")
+        self.update(KVPoll.Failed, reason)
 
     # -- failure --------------------------------------------------------------------------------
     async def _fail_from(self, exc: BaseException) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+from ._deadline import DEFAULT, Default, seconds
 from ._device import check_ready
 from .errors import InvalidArgument
 
@@ -26,7 +27,7 @@ class KVStream:
     """
 
     def __init__(self, room: int, pages: int, layers: Iterable[int], last: bool,
-                 send: Callable[[frozenset[int], bool, float | None, Any], Awaitable[None]]) -> None:
+                 send: Callable[[frozenset[int], bool, float | Default, Any], Awaitable[None]]) -> None:
         self.room = room
         self.pages = pages
         """Pages in this chunk."""
@@ -57,9 +58,10 @@ class KVStream:
         return not self._left
 
     async def send_layers(self, layers: int | Iterable[int], *, ready: Any = None,
-                          timeout: float | None = None) -> None:
-        """Send ``layers`` (one layer id, or several) of this chunk. ``timeout`` bounds the call (the
-        room's conclusion included, on the call that completes the last chunk). Raises
+                          timeout: float | Default = DEFAULT) -> None:
+        """Send ``layers`` (one layer id, or several) of this chunk. ``timeout`` (``DEFAULT``:
+        ``transfer_timeout``) bounds the call (the room's conclusion included, on the call that completes the
+        last chunk); a call that moves data takes no ``None``. Raises
         :class:`InvalidArgument` before any byte moves for a layer that is unknown or already sent.
 
         ``ready``: the device work that writes these layers, as an object whose ``query()`` says whether
@@ -67,6 +69,7 @@ class KVStream:
         for it (polled from the loop, which it never blocks) before any of their bytes move. If it is not
         done within ``timeout``, the room fails with :class:`TransferTimeout`. Without it, the layers must
         be written when the call is made."""
+        seconds(timeout, 0.0, what="send_layers")  # refused before the layers count as sent
         ids = [layers] if isinstance(layers, int) else [int(x) for x in layers]
         if not ids:
             raise InvalidArgument(f"room {self.room}: send_layers needs at least one layer")

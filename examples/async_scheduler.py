@@ -13,6 +13,10 @@ Per request (``--requests`` of them, at most ``--concurrency`` in flight):
 4. decode awaits ``rx.done()`` and checks every byte against the pattern both sides derive from the
    room id, then frees its pages.
 
+Each side holds its room in ``async with``: a room left without success (an error, a cancellation) is
+aborted on both sides with the cause as its reason, and the block exits once the room's pages are released,
+so they go back to the pool right after it.
+
 Run it::
 
     MC_LOG_LEVEL=ERROR python examples/async_scheduler.py --requests 32 --concurrency 8
@@ -100,21 +104,18 @@ async def decode_main() -> None:
         async def receive(room: int, n_pages: int, peer: str) -> None:
             pages = await pool.alloc(n_pages)
             t0 = time.perf_counter()
-            rx = mgr.receiver(room, peer)
+            rx = mgr.receiver(room, peer)  # opened first: the pool needs to know about it after its block
             try:
-                await rx.send_metadata(pages, timeout=10)
-                await rx.done(timeout=30)
-                bad = await asyncio.to_thread(check, kv, room, pages)  # off the event loop
+                # Leaving the block exits once no prefill write of this room can land in its pages any more:
+                # at once after Success; after a failure, once the prefill acknowledged its drain (or is gone).
+                async with rx:
+                    await rx.send_metadata(pages, timeout=10)
+                    await rx.done(timeout=30)
+                    bad = await asyncio.to_thread(check, kv, room, pages)  # off the event loop
                 emit({"room": room, "ok": bad == 0, "bad_words": bad, "ms": (time.perf_counter() - t0) * 1e3})
             except AiotransferError as exc:  # TransferFailed (with the reason prefill gave), timeouts, ...
                 emit({"room": room, "ok": False, "reason": f"{type(exc).__name__}: {exc}"})
-            finally:
-                # Pages go back only once no prefill write of this room can land in them any more: at once
-                # after Success; after a failure, once the prefill acknowledged its drain (or is gone).
-                try:
-                    await rx.released()
-                except AiotransferError:
-                    return  # never proven safe: these pages stay out of the pool
+            if rx.is_released():  # never proven safe (a peer that neither drains nor dies): they stay out
                 await pool.free(pages)
 
         tasks: set[asyncio.Task[None]] = set()
@@ -211,17 +212,20 @@ async def prefill_main(n_requests: int, concurrency: int, seed: int) -> int:
             async with slots:  # bounded concurrency: at most `concurrency` requests in flight
                 t0 = time.perf_counter()
                 pages = await pool.alloc(n_pages)
-                tx = mgr.sender(room)
+                tx = mgr.sender(room)  # opened first: the pool needs to know about it after its block
                 try:
-                    decode.send({"op": "request", "room": room, "pages": n_pages, "peer": mgr.endpoint})
-                    await tx.wait_ready(timeout=10)  # decode's page indices have arrived
-                    step = CHUNK_TOKENS // PAGE_TOKENS
-                    for first in range(0, n_pages, step):
-                        chunk = pages[first : first + step]
-                        # "compute" this chunk's KV (off the event loop, like a real forward pass)
-                        await asyncio.to_thread(fill, words, room, chunk, first)
-                        await tx.send_kv(chunk, last=first + step >= n_pages)
-                    await tx.done(timeout=30)
+                    # After a failure the engine may still be reading these pages: leaving the block waits
+                    # until every engine handle of the room is terminal.
+                    async with tx:
+                        decode.send({"op": "request", "room": room, "pages": n_pages, "peer": mgr.endpoint})
+                        await tx.wait_ready(timeout=10)  # decode's page indices have arrived
+                        step = CHUNK_TOKENS // PAGE_TOKENS
+                        for first in range(0, n_pages, step):
+                            chunk = pages[first : first + step]
+                            # "compute" this chunk's KV (off the event loop, like a real forward pass)
+                            await asyncio.to_thread(fill, words, room, chunk, first)
+                            await tx.send_kv(chunk, last=first + step >= n_pages)
+                        await tx.done(timeout=30)
                     result = await asyncio.wait_for(decode.result(room), 30)
                     if not result["ok"]:
                         failures.append(f"room {room}: {result}")
@@ -229,15 +233,8 @@ async def prefill_main(n_requests: int, concurrency: int, seed: int) -> int:
                     moved += n_pages * sum(b.item_len for b in mgr.args.kv)
                 except AiotransferError as exc:  # TransferFailed (with .reason), TransferTimeout, ...
                     failures.append(f"room {room}: {type(exc).__name__}: {exc}")
-                finally:
-                    # After a failure the engine may still be reading these pages: they go back to the
-                    # pool only once every engine handle of the room is terminal.
-                    try:
-                        await tx.released()
-                    except AiotransferError:
-                        pass  # never proven safe: these pages stay out of the pool
-                    else:
-                        await pool.free(pages)
+                if tx.is_released():  # never proven safe: these pages stay out of the pool
+                    await pool.free(pages)
 
         t_start = time.perf_counter()
         await asyncio.gather(*(serve(room, tokens) for room, tokens in enumerate(prompts)))

@@ -56,10 +56,10 @@ async def prefill() -> int:
         for d in decodes:
             d.start()
         for room in range(1, len(decodes) + 1):
-            tx = mgr.sender(room)
-            await tx.wait_ready(timeout=30)
-            await tx.send_kv(pages[: tx.num_pages])  # the decode declared 70 tokens: 5 of our pages
-            await tx.done(timeout=30)
+            async with mgr.sender(room) as tx:
+                await tx.wait_ready(timeout=30)
+                await tx.send_kv(pages[: tx.num_pages])  # the decode declared 70 tokens: 5 of our pages
+                await tx.done(timeout=30)
         print(f"prefill: sent {TOKENS} tokens from five 16-token pages to each decode "
               f"({mgr.stats().get('staged_pieces', 0)} staged pieces in all)")
         for d in decodes:
@@ -73,9 +73,9 @@ async def decode(prefill_endpoint: str, room: int, name: str) -> bool:
     kv = [np.zeros(shape, dtype=np.float16) for _ in range(2 * LAYERS)]
     pages = [6, 1]  # 70 tokens: one full 64-token page and 6 tokens of the next
     async with KVManager(kv_args(kv, page, order), CONFIG) as mgr:
-        rx = mgr.receiver(room, prefill_endpoint)
-        await rx.send_metadata(pages, num_tokens=TOKENS, timeout=30)
-        await rx.done(timeout=30)
+        async with mgr.receiver(room, prefill_endpoint) as rx:
+            await rx.send_metadata(pages, num_tokens=TOKENS, timeout=30)
+            await rx.done(timeout=30)
     tokens = [b[pages] if order == "NHD" else b[pages].transpose(0, 2, 1, 3) for b in kv]  # pages -> token rows
     got = np.stack([t.reshape(-1, HEADS, HEAD_DIM)[:TOKENS] for t in tokens])
     ok = bool(np.array_equal(got, prompt_kv()))

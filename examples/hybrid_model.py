@@ -120,14 +120,14 @@ async def decode_main() -> None:
             pages = [(next_page + 3 * i) % PAGES for i in range(n_pages)]  # scattered destination pages
             next_page = (next_page + 1) % PAGES
             slot = aux_slot = room % SLOTS
-            rx = mgr.receiver(room, job["peer"])
-            await rx.send_metadata(pages, aux_index=aux_slot, state_indices={StateType.MAMBA: [slot]})
-            emit({"room": room, "declared": True})
-            try:
-                await rx.done(timeout=20)
-            except TransferFailed as exc:
-                emit({"room": room, "status": rx.poll().name, "reason": exc.reason})
-                continue
+            async with mgr.receiver(room, job["peer"]) as rx:
+                await rx.send_metadata(pages, aux_index=aux_slot, state_indices={StateType.MAMBA: [slot]})
+                emit({"room": room, "declared": True})
+                try:
+                    await rx.done(timeout=20)
+                except TransferFailed as exc:
+                    emit({"room": room, "status": rx.poll().name, "reason": exc.reason})
+                    continue
             # Success: KV, state and aux must all be in place now
             want = prefill_outputs(room, tokens)
             idx = torch.tensor(pages)
@@ -180,27 +180,27 @@ async def prefill_main(aux_path: str) -> int:
             cache.top_ids[aux_slot] = out["top_ids"]
             cache.top_logprobs[aux_slot] = out["top_logprobs"]
 
-            tx = mgr.sender(room)
-            proc.stdin.write((json.dumps({"room": room, "tokens": tokens, "peer": mgr.endpoint}) + "\n").encode())
-            await from_decode()  # decode declared its pages, aux slot and Mamba slot
-            await tx.wait_ready(timeout=10)
-            steps = []
-            try:
-                for what in order:
-                    if what == "kv":  # two chunks, as chunked prefill would produce them
-                        half = n_pages // 2
-                        await tx.send_kv(pages[:half], last=False)
-                        await tx.send_kv(pages[half:])
-                    elif what == "state":
-                        await tx.send_state({StateType.MAMBA: [slot]})
-                    elif what == "no state":
-                        await tx.send_state({})  # kinds differ from decode's declaration: the room fails
-                    else:
-                        await tx.send_aux(aux_slot)
-                    steps.append(f"{what} -> {tx.poll().name}")
-                await tx.done(timeout=10)
-            except TransferFailed as exc:
-                steps.append(f"prefill: {exc.reason}")
+            async with mgr.sender(room) as tx:
+                proc.stdin.write((json.dumps({"room": room, "tokens": tokens, "peer": mgr.endpoint}) + "\n").encode())
+                await from_decode()  # decode declared its pages, aux slot and Mamba slot
+                await tx.wait_ready(timeout=10)
+                steps = []
+                try:
+                    for what in order:
+                        if what == "kv":  # two chunks, as chunked prefill would produce them
+                            half = n_pages // 2
+                            await tx.send_kv(pages[:half], last=False)
+                            await tx.send_kv(pages[half:])
+                        elif what == "state":
+                            await tx.send_state({StateType.MAMBA: [slot]})
+                        elif what == "no state":
+                            await tx.send_state({})  # kinds differ from decode's declaration: the room fails
+                        else:
+                            await tx.send_aux(aux_slot)
+                        steps.append(f"{what} -> {tx.poll().name}")
+                    await tx.done(timeout=10)
+                except TransferFailed as exc:
+                    steps.append(f"prefill: {exc.reason}")
             report = await from_decode()
             print(f"room {room}: {tokens} tokens ({n_pages} pages), sent {' | '.join(steps)}")
             if "checks" in report:

@@ -57,16 +57,16 @@ async def prefill() -> int:
         decode = multiprocessing.get_context("spawn").Process(target=decode_process, args=(mgr.endpoint,))
         decode.start()
         for room, how in ROOMS.items():
-            tx = mgr.sender(room=room)
-            await tx.wait_ready(timeout=30)
-            sends: list[asyncio.Task[None]] = []
-            if how == "streamed":
-                computed = await forward(sends, tx.stream(src))
-                await asyncio.gather(*sends)
-            else:
-                computed = await forward(sends, None)
-                await tx.send_kv(src)
-            await tx.done(timeout=30)
+            async with mgr.sender(room=room) as tx:
+                await tx.wait_ready(timeout=30)
+                sends: list[asyncio.Task[None]] = []
+                if how == "streamed":
+                    computed = await forward(sends, tx.stream(src))
+                    await asyncio.gather(*sends)
+                else:
+                    computed = await forward(sends, None)
+                    await tx.send_kv(src)
+                await tx.done(timeout=30)
             exposed = (time.monotonic() - computed) * 1e3
             print(f"prefill: {how:>13}: exposed transfer {exposed:6.1f} ms after {LAYERS} layers of compute")
         cpu = await per_layer_cpu(mgr)
@@ -78,17 +78,17 @@ async def prefill() -> int:
 async def per_layer_cpu(mgr: KVManager) -> float:
     """The event loop thread's CPU time per ``send_layers`` call: 8 chunks of one page, each chunk's layers
     sent as a forward pass sends them (all in flight together), engine completions included."""
-    tx = mgr.sender(room=3)
-    await tx.wait_ready(timeout=30)
-    calls = 0
-    t0 = time.thread_time()
-    for chunk in range(8):
-        stream = tx.stream([chunk], last=chunk == 7)
-        await asyncio.gather(*(stream.send_layers(layer) for layer in range(LAYERS)))
-        calls += LAYERS
-    cpu = (time.thread_time() - t0) / calls
-    await tx.done(timeout=30)
-    return cpu * 1e6
+    async with mgr.sender(room=3) as tx:
+        await tx.wait_ready(timeout=30)
+        calls = 0
+        t0 = time.thread_time()
+        for chunk in range(8):
+            stream = tx.stream([chunk], last=chunk == 7)
+            await asyncio.gather(*(stream.send_layers(layer) for layer in range(LAYERS)))
+            calls += LAYERS
+        cpu = (time.thread_time() - t0) / calls
+        await tx.done(timeout=30)
+        return cpu * 1e6
 
 
 async def decode(prefill_endpoint: str) -> bool:
@@ -100,9 +100,9 @@ async def decode(prefill_endpoint: str) -> bool:
                           (3, list(range(8)))):
             for b in kv:
                 b[dst] = 0
-            rx = mgr.receiver(room=room, peer=prefill_endpoint)
-            await rx.send_metadata(dst)
-            await rx.done(timeout=30)
+            async with mgr.receiver(room=room, peer=prefill_endpoint) as rx:
+                await rx.send_metadata(dst)
+                await rx.done(timeout=30)
             src = list(range(len(dst)))
             ok = ok and all(np.array_equal(kv[b][dst], expected[b][src]) for b in range(2 * LAYERS))
     return ok

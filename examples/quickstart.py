@@ -38,11 +38,13 @@ async def prefill() -> int:
         decode = multiprocessing.get_context("spawn").Process(target=decode_process, args=(mgr.endpoint,))
         decode.start()  # it gets our control address: the "bootstrap" endpoint
 
-        tx = mgr.sender(room=ROOM)
-        await tx.wait_ready(timeout=30)  # decode's page indices have arrived
-        await tx.send_kv(SRC[:4], last=False)  # first chunk
-        await tx.send_kv(SRC[4:])  # last chunk (last=True by default)
-        await tx.done(timeout=10)  # Success: every byte landed
+        # A room left without success (an error, a cancellation) is aborted on both sides, with the cause
+        # as its reason; the block exits once the room's pages are safe to reuse.
+        async with mgr.sender(room=ROOM) as tx:
+            await tx.wait_ready(timeout=30)  # decode's page indices have arrived
+            await tx.send_kv(SRC[:4], last=False)  # first chunk
+            await tx.send_kv(SRC[4:])  # last chunk (last=True by default)
+            await tx.done(timeout=10)  # Success: every byte landed
         print(f"prefill: {tx!r}")
         await asyncio.to_thread(decode.join, 30)  # keep the manager up until decode is finished
     return decode.exitcode if decode.exitcode is not None else 1
@@ -51,9 +53,9 @@ async def prefill() -> int:
 async def decode(prefill_endpoint: str) -> bool:
     kv = [np.zeros((PAGES, PAGE_BYTES), dtype=np.uint8) for _ in range(BUFFERS)]
     async with KVManager(KVArgs(kv, page_size=16, dtype="uint8"), CONFIG) as mgr:
-        rx = mgr.receiver(room=ROOM, peer=prefill_endpoint)
-        await rx.send_metadata(DST)  # where the KV must land
-        await rx.done(timeout=30)  # raises TransferFailed(reason) or TransferTimeout
+        async with mgr.receiver(room=ROOM, peer=prefill_endpoint) as rx:
+            await rx.send_metadata(DST)  # where the KV must land
+            await rx.done(timeout=30)  # raises TransferFailed(reason) or TransferTimeout
         print(f"decode:  {rx!r}")
     expected = prefill_cache()
     return all(np.array_equal(kv[b][DST], expected[b][SRC]) for b in range(BUFFERS))

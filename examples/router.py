@@ -31,7 +31,6 @@ import random
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Coroutine
 from typing import Any
 
 import numpy as np
@@ -96,25 +95,6 @@ class Pages:
             self.cond.notify_all()
 
 
-_LATER: set[asyncio.Task[None]] = set()
-
-
-def later(coro: Coroutine[Any, Any, None]) -> None:
-    """Run ``coro`` in the background, keeping a reference until it ends."""
-    task = asyncio.ensure_future(coro)
-    _LATER.add(task)
-    task.add_done_callback(_LATER.discard)
-
-
-async def give_back(pages: Pages, mine: list[int], released: Awaitable[None]) -> None:
-    """Return ``mine`` to the pool once the room's pages are proven safe; otherwise keep them out."""
-    try:
-        await released
-    except AiotransferError:
-        return
-    await pages.give(mine)
-
-
 def listen() -> socket.socket:
     """A listening socket on a free loopback port."""
     sock = socket.socket()
@@ -149,17 +129,19 @@ async def prefill_worker() -> None:
             t0 = time.perf_counter()
             tx = mgr.sender(room)  # decode may have spoken first: its request waits for us
             try:
-                await asyncio.to_thread(forward, kv, room, mine)  # "prefill" writes the KV into our pages
-                await tx.wait_ready(timeout=10)
-                for first in range(0, n, CHUNK_PAGES):
-                    await tx.send_kv(mine[first : first + CHUNK_PAGES], last=first + CHUNK_PAGES >= n)
-                await tx.done(timeout=10)
+                # Left without success, the room is aborted on both sides (the cause as its reason), and the
+                # block exits once the engine is done with every write of the room (at once after Success).
+                async with tx:
+                    await asyncio.to_thread(forward, kv, room, mine)  # "prefill" writes the KV into our pages
+                    await tx.wait_ready(timeout=10)
+                    for first in range(0, n, CHUNK_PAGES):
+                        await tx.send_kv(mine[first : first + CHUNK_PAGES], last=first + CHUNK_PAGES >= n)
+                    await tx.done(timeout=10)
             except AiotransferError as exc:
                 return failure(exc)
             finally:
-                # the pages go back once the engine is done with every write of the room (at once after
-                # Success); never proven safe, they stay out of the pool
-                later(give_back(pages, mine, tx.released()))
+                if tx.is_released():  # never proven safe, the pages stay out of the pool
+                    await pages.give(mine)
             return web.json_response({"ok": True, "ms": (time.perf_counter() - t0) * 1e3})
 
         app = web.Application()
@@ -184,15 +166,17 @@ async def decode_worker() -> None:
             t0 = time.perf_counter()
             rx = mgr.receiver(room, body["bootstrap"])
             try:
-                await rx.send_metadata(mine, timeout=10)
-                await rx.done(timeout=10)
-                exact = await asyncio.to_thread(check, kv, room, mine)
+                # the block exits once no prefill write of the room can land: at once after Success; after a
+                # failure once the prefill acknowledged its drain, or was proven gone
+                async with rx:
+                    await rx.send_metadata(mine, timeout=10)
+                    await rx.done(timeout=10)
+                    exact = await asyncio.to_thread(check, kv, room, mine)
             except AiotransferError as exc:
                 return failure(exc)
             finally:
-                # back to the pool once no prefill write of the room can land: at once after Success;
-                # after a failure once the prefill acknowledged its drain, or was proven gone
-                later(give_back(pages, mine, rx.released()))
+                if rx.is_released():  # never proven safe, the pages stay out of the pool
+                    await pages.give(mine)
             return web.json_response({"ok": exact, "ms": (time.perf_counter() - t0) * 1e3,
                                       "reason": "" if exact else "bytes differ"})
 

@@ -5,10 +5,14 @@ rank (:mod:`aiotransfer._kv`) need of each, as Protocols, so that they never imp
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Protocol
+from types import TracebackType
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from ..errors import TransferTimeout
 from ..status import KVPoll, PollLatch, apply_status
 
 if TYPE_CHECKING:
@@ -17,12 +21,32 @@ if TYPE_CHECKING:
     from ..control.messages import TransferRequest
     from .peers import DecodePeer
 
-__all__ = ["ReceiverRoom", "RoomSide", "SenderRoom", "StagingRoom", "decode_reason"]
+__all__ = ["ReceiverRoom", "RoomSide", "SenderRoom", "StagingRoom", "decode_reason", "left_because", "prefill_reason"]
+
+log = logging.getLogger("aiotransfer.manager")
+
+_R = TypeVar("_R", bound="RoomSide")
 
 
 def decode_reason(reason: str) -> str:
     """A failure that started on the decode, worded the same on both sides."""
     return reason if reason.startswith("aborted by decode") else f"aborted by decode: {reason or 'no reason given'}"
+
+
+def prefill_reason(reason: str) -> str:
+    """A failure that started on the prefill, worded the same on both sides."""
+    return reason if reason.startswith("aborted by prefill") else f"aborted by prefill: {reason or 'no reason given'}"
+
+
+def left_because(exc: BaseException | None, status: KVPoll) -> str:
+    """Why a room's ``async with`` block ended before the room concluded: the exception's type and message, a
+    cancellation, or a block that simply ended first."""
+    if exc is None:
+        return f"left unfinished ({status.name})"
+    if isinstance(exc, asyncio.CancelledError):
+        return "cancelled"
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class _Room(Protocol):
@@ -143,6 +167,54 @@ class RoomSide:
     def _changed(self, status: KVPoll) -> None:
         """Hook for subclasses: runs on every change, before the waiters wake."""
 
+    # -- a room as a resource -----------------------------------------------------------------------
+    async def __aenter__(self: _R) -> _R:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        """Leave the room's block. A room that has not concluded Success is aborted here, on both sides,
+        with the cause as its reason (:func:`left_because`); a room that already failed keeps its reason.
+        Then, whatever the outcome, wait for the release of its pages, bounded by :meth:`_exit_bound` and
+        through cancellations (clean-up is shielded: a cancellation that comes meanwhile is raised once the
+        wait is over). The exception that ended the block propagates unchanged; without one, pages not
+        released within the bound raise :class:`~aiotransfer.TransferTimeout`. A closed manager's room
+        exits at once."""
+        if self._status is not KVPoll.Success:
+            self._abandon(left_because(exc, self._status))
+        bound = self._exit_bound()
+        if bound is None:
+            return
+        deadline = asyncio.get_running_loop().time() + bound
+        cancelled = False
+        while True:
+            try:
+                released = await self._wait_released(deadline)
+                break
+            except asyncio.CancelledError:
+                cancelled = True
+        if not released:
+            if exc is None:
+                raise self._unreleased(bound)
+            log.warning("%s", self._unreleased(bound), extra={"room": self.room})
+        if cancelled and not isinstance(exc, asyncio.CancelledError):
+            raise asyncio.CancelledError
+
+    def _abandon(self, reason: str) -> None:
+        """Abort without awaiting (hook): the room fails here at once, the other side is told in the
+        background; nothing when the room is already terminal."""
+        raise NotImplementedError
+
+    def _exit_bound(self) -> float | None:
+        """Seconds the exit of the room's block waits for the release (hook); None: no wait (the manager is
+        closed: nothing is proven any more, its memory stays registered while the engine holds any of it)."""
+        raise NotImplementedError
+
+    def _unreleased(self, budget: float) -> TransferTimeout:
+        """The error for pages not released within ``budget`` seconds (hook)."""
+        raise NotImplementedError
+
     # -- page lifecycle ---------------------------------------------------------------------------
     def is_released(self) -> bool:
         """True once this side can prove that no engine operation of this room will touch its pages (KV,
@@ -177,13 +249,14 @@ class RoomSide:
             if loop.time() >= deadline:
                 return False
             fut = loop.create_future()
-            timer = loop.call_at(deadline, _wake, fut)
+            timer = loop.call_at(deadline, _wake, fut) if deadline != math.inf else None
             self._waiters.add(fut)
             try:
                 await fut
             finally:
                 self._waiters.discard(fut)
-                timer.cancel()
+                if timer is not None:
+                    timer.cancel()
         return True
 
 

@@ -262,6 +262,24 @@ def test_multi_entry_write_is_byte_exact(rig: Rig) -> None:
         assert rig.peer.crc(d, n) == src_crc(rig, s, n)
 
 
+@pytest.mark.parametrize("aligned", [True, False], ids=["on-boundaries", "off-boundaries"])
+def test_many_equal_entries_are_byte_exact(rig: Rig, aligned: bool) -> None:
+    """A scattered room's shape: many entries of one length. On their length's boundaries, NIXL makes the
+    write from descriptor lists prepared once (by index); off them, it builds the write's own lists."""
+    size, n = 2048, 40
+    shift = 0 if aligned else 100
+    src_offs = [shift + 2 * i * size for i in range(n)]
+    dst_offs = [shift + (2 * i + 1) * size for i in range(n)]
+    before = rig.engine.describe().get("prepared_writes", 0)
+    for _ in range(2):  # the second write reuses what the first prepared
+        handle = write(rig, src_offs, dst_offs, [size] * n)
+        assert drive(rig.engine, handle) is EngineStatus.DONE, handle.error
+        for s, d in zip(src_offs, dst_offs, strict=True):
+            assert rig.peer.crc(d, size) == src_crc(rig, s, size)
+    if rig.kind == "nixl":
+        assert rig.engine.describe()["prepared_writes"] - before == (2 if aligned else 0)
+
+
 def test_single_entry_write_is_byte_exact(rig: Rig) -> None:
     handle = write(rig, [123_456], [700_000], [250_000])
     assert drive(rig.engine, handle) is EngineStatus.DONE, handle.error

@@ -13,8 +13,9 @@ method                 blocks?                             GIL released     thre
 ``register``           short (memory registration)         yes (binding)    driver (agent lock)
 ``connect``            short: loads the peer's metadata,   yes (binding)    driver (agent lock)
                        then ``make_connection``
-``submit_write``       short: builds NumPy descriptor      while NIXL       driver (agent lock)
-                       lists, then a non-blocking post     creates/posts
+``submit_write``       short: indexes lists prepared once  while NIXL       driver (agent lock)
+                       (or builds NumPy descriptor lists), creates/posts
+                       then a non-blocking post
 ``try_submit_inline``  as ``submit_write``; None at once   while NIXL       event loop; tries the agent
                        when the agent lock is taken        posts            lock, never waits
 ``check``              no (~1 us)                          yes (binding)    event loop; tries the lock
@@ -25,7 +26,9 @@ method                 blocks?                             GIL released     thre
 NIXL calls must be serialised per agent: the poll loop calls ``check`` from the event-loop thread
 while ``submit_write`` runs on the driver thread (``transfer()`` may copy inline over shared memory),
 so every agent call takes one ``threading.Lock``; ``check`` only tries it and answers PENDING when a
-submit holds it, so the event loop never waits for a copy. A handle is ``initialize_xfer`` + ``transfer``
+submit holds it, so the event loop never waits for a copy. A handle is ``make_prepped_xfer`` (a write of
+equal entries on their length's boundaries, from lists prepared once: :mod:`._nixl_lists`) or
+``initialize_xfer``, then ``transfer``
 + ``check_xfer_state``; only DONE is terminal (see :meth:`NixlEngine.check` and docs/engines.md): the
 native xfer handle is released when DONE is seen, or, for a write NIXL answered ERR or raised for, only
 when the release quarantine has passed (:meth:`NixlEngine.abandon`). A
@@ -65,6 +68,7 @@ from ..config import TransferConfig
 from ..errors import ClosedError, EngineError, EngineUnavailable
 from ..plan import Blocks
 from ._common import AgentEngine, RegionIndex, block_arrays, map_errors, quietly
+from ._nixl_lists import MIN_ENTRIES, PreparedLists
 from .base import EngineStatus, EngineTraits, MemoryRegion, TransferHandle
 
 __all__ = ["NixlEngine", "nixl_env_defaults"]
@@ -215,6 +219,8 @@ class _Peer:
     info: bytes
     name: str
     table: _RegionTable
+    lists: PreparedLists | None = None
+    """The peer's blocks, prepared at the first write to it that can use them."""
 
 
 @dataclass
@@ -264,6 +270,10 @@ class NixlEngine(AgentEngine):
         self._forgotten: set[str] = set()
         """Peers to remove once their last live write ends (see ``forget_peer``)."""
         self._unreleased: list[Any] = []
+        self._local_lists: PreparedLists | None = None
+        self._retired_lists: list[Any] = []
+        """Prepared lists of regions or peers since replaced: a made transfer may still use them (see close)."""
+        self.prepared_writes = 0
         self._closed = False
         tls = os.environ.get("UCX_TLS", "").strip()
         self._transport = f"ucx({tls})" if tls else "ucx"
@@ -291,6 +301,7 @@ class NixlEngine(AgentEngine):
             "peers": len(self._peers),
             "in_flight": len(self._live),
             "unreleased_handles": len(self._unreleased),
+            "prepared_writes": self.prepared_writes,
             "progress_delay_us": self._progress_delay_us,
         }
 
@@ -341,6 +352,9 @@ class NixlEngine(AgentEngine):
 
     def _rebuild_local(self) -> None:
         self._local = _RegionTable([(r.ptr, r.nbytes, *_memory_kind(r.device)) for r in self._regions])
+        if self._local_lists is not None:
+            self._retired_lists.extend(self._local_lists.handles())
+            self._local_lists = None
 
     # -- peers ---------------------------------------------------------------------------------
     def connect(self, peer: str, peer_info: bytes, probe_addr: int) -> None:
@@ -380,6 +394,8 @@ class NixlEngine(AgentEngine):
             except EngineError:
                 self._remove_remote(agent, name)
                 raise
+            if known is not None and known.lists is not None:
+                self._retired_lists.extend(known.lists.handles())
             self._peers[peer] = _Peer(peer_info, name, _RegionTable(info.regions))
 
     def forget_peer(self, peer: str) -> None:
@@ -399,7 +415,7 @@ class NixlEngine(AgentEngine):
         if len(blocks) == 0:
             raise EngineError("empty transfer batch")
         with self._lock:
-            return self._submit_locked(peer, blocks)
+            return self._submit_locked(peer, blocks, prepare=True)
 
     def try_submit_inline(self, peer: str, blocks: Blocks) -> TransferHandle | None:
         """Post a small write from the calling (event-loop) thread if the agent is free right now; None
@@ -412,27 +428,33 @@ class NixlEngine(AgentEngine):
         try:
             if blocks.nbytes > self.inline_max_bytes and self._live:
                 return None  # other writes are in flight: a large copy waits in the executor, not on the loop
-            return self._submit_locked(peer, blocks)
+            return self._submit_locked(peer, blocks, prepare=False)
         finally:
             self._lock.release()
 
-    def _submit_locked(self, peer: str, blocks: Blocks) -> TransferHandle:
-        """Post one write; the caller holds the agent lock."""
+    def _submit_locked(self, peer: str, blocks: Blocks, *, prepare: bool) -> TransferHandle:
+        """Post one write; the caller holds the agent lock. ``prepare``: the caller is the driver thread,
+        which may prepare the descriptor lists a write of uniform entries is made from."""
         n = len(blocks)
         agent = self._check_open()
         known = self._peers.get(peer)
         if known is None or peer in self._forgotten:
             raise EngineError(f"NIXL peer {peer} is not connected")
         src, dst, length = block_arrays(blocks)
-        local_mem, local_descs = _descs(self._local, src, length, "local source")
-        remote_mem, remote_descs = _descs(known.table, dst, length, f"destination on {peer}")
+        made = self._by_index(agent, known, src, dst, length, prepare) if n >= MIN_ENTRIES else None
         with map_errors(
             f"NIXL rejected a {n}-entry write to {peer}",
             hint=" (a descriptor lies outside memory registered on either side, or the peer is unknown)",
         ):
-            lx = agent.get_xfer_descs(local_descs, local_mem)
-            rx = agent.get_xfer_descs(remote_descs, remote_mem)
-            native = agent.initialize_xfer("WRITE", lx, rx, known.name)
+            if made is not None:
+                native = agent.make_prepped_xfer("WRITE", *made)
+                self.prepared_writes += 1
+            else:
+                local_mem, local_descs = _descs(self._local, src, length, "local source")
+                remote_mem, remote_descs = _descs(known.table, dst, length, f"destination on {peer}")
+                lx = agent.get_xfer_descs(local_descs, local_mem)
+                rx = agent.get_xfer_descs(remote_descs, remote_mem)
+                native = agent.initialize_xfer("WRITE", lx, rx, known.name)
         xfer = _Xfer(native)
         handle = TransferHandle(token=xfer, peer=peer, entries=n, nbytes=blocks.nbytes)
         try:
@@ -450,6 +472,30 @@ class NixlEngine(AgentEngine):
         handle.landed = state == "DONE"
         self._live.add(handle)
         return handle
+
+    def _by_index(self, agent: Any, known: _Peer, src: npt.NDArray[np.uint64], dst: npt.NDArray[np.uint64],
+                  length: npt.NDArray[np.uint64], prepare: bool) -> tuple[Any, Any, Any, Any] | None:
+        """(local list, local indices, remote list, remote indices) of a write whose entries are all one
+        length and lie on that length's boundaries on both sides (see :mod:`._nixl_lists`); None otherwise."""
+        size = int(length[0])
+        if size == 0 or not bool((length == length[0]).all()):
+            return None
+        try:
+            local_kind = int(self._local.kinds[self._local.locate(src[:1], "")[0]])
+            remote_kind = int(known.table.kinds[known.table.locate(dst[:1], "")[0]])
+        except EngineError:
+            return None  # a stray address: the descriptor path names it
+        if self._local_lists is None:
+            self._local_lists = PreparedLists(agent, "NIXL_INIT_AGENT", self._local.rows, self._local.index, _MEM_TYPES)
+        if known.lists is None:
+            known.lists = PreparedLists(agent, known.name, known.table.rows, known.table.index, _MEM_TYPES)
+        local = self._local_lists.indices(src, size, local_kind, prepare=prepare)
+        if local is None:
+            return None
+        remote = known.lists.indices(dst, size, remote_kind, prepare=prepare)
+        if remote is None:
+            return None
+        return local[0], local[1], remote[0], remote[1]
 
     def check(self, handle: TransferHandle) -> EngineStatus:
         """Non-blocking, even against a concurrent submit: when the agent lock is busy (a ``transfer()``
@@ -512,6 +558,8 @@ class NixlEngine(AgentEngine):
         if peer in self._forgotten and not any(h.peer == peer for h in self._live):
             self._forgotten.discard(peer)
             known = self._peers.pop(peer, None)
+            if known is not None and known.lists is not None:
+                self._retired_lists.extend(known.lists.handles())
             if known is not None and not self._closed:
                 self._remove_remote(self._agent, known.name)
 
@@ -533,6 +581,11 @@ class NixlEngine(AgentEngine):
                 self._terminal(handle, EngineStatus.FAILED, "NIXL engine closed before the transfer completed")
             for descs, _count in self._regions.values():
                 quietly(log, "NIXL deregister_memory at close", agent.deregister_memory, descs)
+            lists = [*self._retired_lists, *(self._local_lists.handles() if self._local_lists else [])]
+            lists += [h for known in self._peers.values() if known.lists is not None for h in known.lists.handles()]
+            for prepared in lists:  # every transfer that could use them was released above
+                quietly(log, "NIXL release_dlist_handle at close", agent.release_dlist_handle, prepared)
+            self._retired_lists, self._local_lists = [], None
             self._regions.clear()
             self._local = _RegionTable([])
             for known in self._peers.values():

@@ -28,8 +28,7 @@ while ``submit_write`` runs on the driver thread (``transfer()`` may copy inline
 so every agent call takes one ``threading.Lock``; ``check`` only tries it and answers PENDING when a
 submit holds it, so the event loop never waits for a copy. A handle is ``make_prepped_xfer`` (a write of
 equal entries on their length's boundaries, from lists prepared once: :mod:`._nixl_lists`) or
-``initialize_xfer``, then ``transfer``
-+ ``check_xfer_state``; only DONE is terminal (see :meth:`NixlEngine.check` and docs/engines.md): the
+``initialize_xfer``, then ``transfer`` and ``check_xfer_state``; only DONE is terminal (see :meth:`NixlEngine.check` and docs/engines.md): the
 native xfer handle is released when DONE is seen, or, for a write NIXL answered ERR or raised for, only
 when the release quarantine has passed (:meth:`NixlEngine.abandon`). A
 :class:`~aiotransfer.engines.base.TransferHandle` is never queried twice. Handles that fail to release

@@ -78,4 +78,4 @@ vllm: setup
 	$(BIN)/pytest -q -m vllm
 
 clean:
-	rm -rf site build dist .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf site build dist .cache .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -3,7 +3,7 @@
 
 Usage: ``python scripts/check-site.py [SITE_DIR]`` (default ``site``), after ``mkdocs build``.
 
-It reads every HTML page, with code blocks left out and inline code read as one word, and reports:
+It reads every HTML page, with code blocks, styles and scripts left out and inline code read as one word, and reports:
 
 - a Sphinx role printed as text (``:class:`X```, ``:meth:``, ``:func:``, ``:mod:``, ``:attr:``, ``:data:``,
   ``:exc:``): a docstring the API reference did not translate;
@@ -20,7 +20,7 @@ import re
 import sys
 from pathlib import Path
 
-PRE = re.compile(r"<pre\b.*?</pre>", re.S | re.I)
+PRE = re.compile(r"<(pre|style|script)\b.*?</\1>", re.S | re.I)
 CODE = re.compile(r"<code\b[^>]*>.*?</code>", re.S | re.I)
 TAG = re.compile(r"<[^>]+>")
 ROLE = re.compile(r":(?:py:)?(?:class|meth|func|mod|attr|data|exc|obj|const):`?")

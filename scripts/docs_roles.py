@@ -1,12 +1,12 @@
 """A griffe extension for the API reference: Sphinx cross-reference roles become autorefs.
 
 Docstrings are Google style with Markdown cross-references (``[KVSender][aiotransfer.KVSender]``).
-Older docstrings still write Sphinx roles (``:class:`InvalidArgument```, ``:meth:`KVStream.send_layers```),
-which Markdown would print as they are. This extension rewrites each role, when the package is loaded,
-into an autorefs reference to the object the name resolves to from the docstring's scope: it links
-where that object is documented in the site, and reads as code where it is not (an internal helper, a
-standard-library name). mkdocs.yml loads it; ``scripts/check-site.py`` fails the build on any role or
-reference left unrendered.
+Older docstrings still write Sphinx roles (``:class:`InvalidArgument```, ``:meth:`KVStream.send_layers```)
+and reST's ``::`` before a literal block, which Markdown would print as they are. When the package is
+loaded, this extension rewrites each role into an autorefs reference to the object the name resolves to
+from the docstring's scope (it links where that object is documented in the site, and reads as code
+where it is not: an internal helper, a standard-library name), and each ``::`` into a colon. mkdocs.yml
+loads it; ``scripts/check-site.py`` fails the build on any role or reference left unrendered.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ from typing import Any
 import griffe
 
 ROLE = re.compile(r":(?:py:)?(class|meth|func|mod|attr|data|exc|obj|const):`(?P<target>[^`]+)`")
+LITERAL = re.compile(r"(?m)(\S)::$|^\s*::$")
+"""reST's literal-block marker ending a paragraph (``... like this::``); the indented block after it is
+a Markdown code block as it is, so the marker becomes one colon (or goes, on a line of its own)."""
 
 _PACKAGE = "aiotransfer"
 
@@ -33,7 +36,8 @@ class RolesToAutorefs(griffe.Extension):
             by_name.setdefault(obj.name, []).append(obj.path)
         for obj in objects:
             if obj.docstring is not None and ":" in obj.docstring.value:
-                obj.docstring.value = ROLE.sub(lambda m, o=obj: _autoref(o, m, pkg, by_name), obj.docstring.value)
+                text = ROLE.sub(lambda m, o=obj: _autoref(o, m, pkg, by_name), obj.docstring.value)
+                obj.docstring.value = LITERAL.sub(lambda m: f"{m.group(1)}:" if m.group(1) else "", text)
 
 
 def _walk(obj: griffe.Object) -> Any:

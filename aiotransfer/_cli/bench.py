@@ -1,7 +1,7 @@
 """``python -m aiotransfer bench``: raw Mooncake against aiotransfer, same engine, same buffers, same run.
 
 ``--suite full`` runs the performance suite instead (:mod:`aiotransfer._cli.suite`: every engine, JSON
-and PNG plots, a table of targets); what follows describes the default suite (issue 2's figures).
+and PNG plots, a table of targets); what follows describes the default suite (figures (a)-(c)).
 
 The CLI process is the prefill; it spawns the decode as ``python -m aiotransfer._cli.bench --role decode`` and
 drives it with JSON lines. For each figure both sides build a :class:`~aiotransfer.KVManager` over the

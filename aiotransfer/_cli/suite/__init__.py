@@ -1,5 +1,5 @@
-"""``python -m aiotransfer bench --suite full``: the performance suite (issue 7) plus the benchmark figures
-of issues 3 (send_aux by path), 4 (TP 4->2 head slicing) and 5 (engines), in one command and one run.
+"""``python -m aiotransfer bench --suite full``: the performance suite and its targets, plus the figures
+of ``send_aux`` by path, TP 4->2 head slicing and the engines, in one command and one run.
 
 Process layout. The orchestrator (the CLI process) imports no engine. For each engine configuration
 (``mooncake_tcp``, ``nixl_shm``, ``nixl_tcp``) it spawns a *prefill worker*

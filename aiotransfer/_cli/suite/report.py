@@ -18,7 +18,7 @@ ENGINE_ORDER = ("mooncake_tcp", "nixl_shm", "nixl_tcp")
 LABELS = {"mooncake_tcp": "Mooncake TCP", "nixl_shm": "NIXL UCX shm", "nixl_tcp": "NIXL UCX tcp"}
 COLORS = {"mooncake_tcp": "tab:blue", "nixl_shm": "tab:orange", "nixl_tcp": "tab:green"}
 TARGET_ENGINES = ("mooncake_tcp", "nixl_shm")
-"""Engines the issue-7 targets are evaluated on (NIXL over UCX tcp is reported, not targeted)."""
+"""Engines the performance targets are evaluated on (NIXL over UCX tcp is reported, not targeted)."""
 
 
 def _phase(res: dict[str, Any], engine: str, phase: str) -> dict[str, Any] | None:

@@ -13,7 +13,7 @@ export NO_MKDOCS_2_WARNING ?= 1
 help:
 	@echo "make setup    create .venv, install Debian libraries and pip packages (idempotent)"
 	@echo "make demo     run the demo: one prefill -> decode KV-cache transfer on this machine"
-	@echo "make test     ruff + mypy + mkdocs --strict + pytest (what CI runs)"
+	@echo "make test     ruff + mypy + mkdocs --strict + check-site + pytest (what CI runs)"
 	@echo "make test-gpu the GPU tests (CUDA KV on both sides, device staging); they skip without a GPU"
 	@echo "make soak     the interleaving state machine with a large example budget (SOAK_EXAMPLES, SOAK_STEPS)"
 	@echo "make lint     ruff + mypy"
@@ -36,6 +36,7 @@ test: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/mkdocs build --strict --quiet
+	$(PYTHON) scripts/check-site.py site
 	$(BIN)/pytest -q
 
 test-gpu: setup
@@ -61,6 +62,7 @@ typecheck: setup
 
 docs: setup
 	$(BIN)/mkdocs build --strict
+	$(PYTHON) scripts/check-site.py site
 
 docs-serve: setup
 	$(BIN)/mkdocs serve
@@ -80,4 +82,4 @@ vllm: setup
 	$(BIN)/pytest -q -m vllm
 
 clean:
-	rm -rf site build dist .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf site build dist .cache .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -39,7 +39,16 @@ __all__ = ["LoopLagMonitor"]
 
 
 class LoopLagMonitor:
-    """Measures event-loop wake-up lag while running (``start``/``stop`` or ``async with``)."""
+    """Measures event-loop wake-up lag while running (``start``/``stop`` or ``async with``).
+
+    Args:
+        interval: Seconds between wake-ups asked for; the lag is how late each one comes.
+        attribute: Split each late wake-up into run-queue wait and the rest (two small reads per sample).
+        late_ms: With ``attribute``, a wake-up this late (milliseconds) counts as late.
+
+    Raises:
+        ValueError: ``interval`` not positive, or ``late_ms`` negative.
+    """
 
     def __init__(self, interval: float = 0.001, *, attribute: bool = False, late_ms: float = 1.0) -> None:
         if not interval > 0:
@@ -80,7 +89,11 @@ class LoopLagMonitor:
         return self
 
     async def stop(self, timeout: float = 1.0) -> None:
-        """Stop sampling; the samples collected so far are kept (idempotent)."""
+        """Stop sampling; the samples collected so far are kept (idempotent).
+
+        Args:
+            timeout: Seconds to wait for the sampling task to end.
+        """
         task, self._task = self._task, None
         if task is None:
             return

@@ -67,7 +67,19 @@ class MemPool(str, enum.Enum):
 
 
 def select_aux_path(config_path: AuxPath | str, pool: MemPool | str | None, *, env_force_tcp: bool) -> AuxPath:
-    """The aux path for this manager (pure). Returns ``ENGINE`` or ``TCP``; never ``AUTO``."""
+    """The aux path for this manager (pure).
+
+    Args:
+        config_path: ``TransferConfig.aux_path``.
+        pool: The engine's custom memory pool (``MC_CUSTOM_MEM_POOL``), or None.
+        env_force_tcp: The environment forces aux over TCP.
+
+    Returns:
+        ``ENGINE`` or ``TCP``; never ``AUTO``.
+
+    Raises:
+        ConfigError: ``engine`` asked for with a pool that cannot move host memory.
+    """
     path = AuxPath(config_path)
     mem = pool if isinstance(pool, MemPool) else MemPool.parse(pool)
     if env_force_tcp or path is AuxPath.TCP:
@@ -98,8 +110,21 @@ def alloc_metadata_buffer(
     """Allocate one aux buffer ``(slots, *item_shape)`` as a torch tensor on the device the rule picks.
 
     Host buffers are pinned when CUDA is available (faster engine reads); device buffers are used with
-    ``INTRA_NODE_NVLINK`` so the engine can move them over NVLink. Raises :class:`ConfigError` when the rule
-    picks a device this process cannot use.
+    ``INTRA_NODE_NVLINK`` so the engine can move them over NVLink.
+
+    Args:
+        slots: Aux slots (one per request in flight).
+        item_shape: The shape of one slot.
+        dtype: A torch dtype.
+        pool: The engine's custom memory pool, as for
+            [`select_aux_path`][aiotransfer.aux_state.select_aux_path].
+        device_id: The CUDA device for ``INTRA_NODE_NVLINK``.
+
+    Returns:
+        A zeroed torch tensor ``(slots, *item_shape)``.
+
+    Raises:
+        ConfigError: The rule picks a device this process cannot use.
     """
     import torch
 

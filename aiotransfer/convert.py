@@ -144,9 +144,19 @@ class PageGeometry:
 def page_geometry(
     layout: str, head_order: str, page_size: int, kv_heads: int, item_lens: Sequence[int], num_layers: int
 ) -> PageGeometry | str:
-    """The geometry of one rank's pages from what it declares (``KVArgs``, or a peer's registration): its
-    layout, head order, tokens per page, KV heads, item length per KV buffer and layers (0: one buffer per
-    plane). Returns the reason when that does not describe whole heads of every token."""
+    """The geometry of one rank's pages from what it declares (``KVArgs``, or a peer's registration).
+
+    Args:
+        layout: The KV layout's name.
+        head_order: ``NHD`` or ``HND``.
+        page_size: Tokens per page.
+        kv_heads: KV heads in a page.
+        item_lens: Bytes per page of each KV buffer.
+        num_layers: Layers (0: one buffer per plane).
+
+    Returns:
+        The geometry, or the reason when that does not describe whole heads of every token.
+    """
     if not kv_heads:
         return "kv_heads is not set, so the heads inside a page are unknown"
     paged_layers = layout in (KVLayout.PAGE_FIRST.value, KVLayout.PAGE_FIRST_KV_SPLIT.value)
@@ -165,11 +175,18 @@ def page_geometry(
 
 
 def check_convertible(src: PageGeometry, dst: PageGeometry) -> str | None:
-    """None if tokens can move from ``src`` pages to ``dst`` pages, else a human-readable reason.
+    """Whether tokens can move from ``src`` pages to ``dst`` pages.
 
     Layouts and head orders may differ freely. Both sides need the same planes and the same bytes per
     head; head counts may differ (a head-sliced transfer between TP sizes: the caller picks the slice),
     except for MLA, which is never head-sliced. One page size must divide the other.
+
+    Args:
+        src: The source geometry.
+        dst: The destination geometry.
+
+    Returns:
+        None if they pair, else a human-readable reason.
     """
     if src.is_mla != dst.is_mla:
         return f"MLA cannot pair with non-MLA: source layout {src.layout!r}, destination {dst.layout!r}"
@@ -201,9 +218,19 @@ def _check_buffer(buf: object, b: int) -> ByteArray:
 def plane_views(buffers: Sequence[ByteArray], geo: PageGeometry) -> list[ByteArray]:
     """Zero-copy views of every plane in canonical order, each ``(num_pages, page_size, heads, head_bytes)``.
 
-    ``buffers`` are one rank's host buffers in the layout's order (one per plane; one; or K then V).
-    Head-major (HND) planes are transposed views. Raises :class:`InvalidArgument` when the buffer count,
-    type or size does not fit ``geo``, or when the buffers hold different page counts.
+    Head-major (HND) planes are transposed views.
+
+    Args:
+        buffers: One rank's host buffers (1-D uint8) in the layout's order (one per plane; one; or K
+            then V).
+        geo: Their geometry.
+
+    Returns:
+        One view per plane.
+
+    Raises:
+        InvalidArgument: The buffer count, type or size does not fit ``geo``, or the buffers hold
+            different page counts.
     """
     if len(buffers) != geo.num_buffers:
         raise InvalidArgument(
@@ -233,7 +260,15 @@ def plane_views(buffers: Sequence[ByteArray], geo: PageGeometry) -> list[ByteArr
 
 
 def stream_nbytes(num_planes: int, t0: int, t1: int, head_count: int, head_bytes: int) -> int:
-    """Bytes of the token stream of tokens ``[t0, t1)``, ``head_count`` heads, ``num_planes`` planes."""
+    """Bytes of the token stream of tokens ``[t0, t1)``, ``head_count`` heads, ``num_planes`` planes.
+
+    Args:
+        num_planes: Planes in the stream.
+        t0: First token.
+        t1: End token (excluded).
+        head_count: Heads per token.
+        head_bytes: Bytes per head.
+    """
     return num_planes * max(t1 - t0, 0) * head_count * head_bytes
 
 
@@ -370,10 +405,20 @@ def gather_tokens(
 ) -> None:
     """Copy tokens ``[t0, t1)``, heads ``[head_start, head_start + head_count)``, of every plane into ``out``.
 
-    ``planes`` are canonical plane views (:func:`plane_views`) paged ``page_size`` tokens a page; ``pages``
-    is the room's page list (token ``t`` in ``pages[t // page_size]``). ``out`` is a contiguous uint8 array
-    of :func:`stream_nbytes` bytes, filled ``(plane, token, head, byte)``. Raises :class:`InvalidArgument`
-    (before copying anything) for out-of-range tokens, pages or heads and a wrongly sized ``out``.
+    Args:
+        planes: Canonical plane views ([`plane_views`][aiotransfer.convert.plane_views]).
+        pages: The room's page list (token ``t`` in ``pages[t // page_size]``).
+        page_size: Tokens per page.
+        t0: First token.
+        t1: End token (excluded).
+        head_start: First head.
+        head_count: Heads to copy.
+        out: A contiguous uint8 array of [`stream_nbytes`][aiotransfer.convert.stream_nbytes] bytes,
+            filled ``(plane, token, head, byte)``.
+
+    Raises:
+        InvalidArgument: Out-of-range tokens, pages or heads, or a wrongly sized ``out``, before anything
+            is copied.
     """
     span, stream = _prepare(planes, pages, page_size, t0, t1, head_start, head_count, out, gather=True)
     hs, he = head_start, head_start + head_count
@@ -414,6 +459,19 @@ def scatter_tokens(
     ``[head_start, head_start + head_count)``, of every plane. Other bytes of the planes are left alone.
 
     Pages are not checked for repeats: a page listed twice receives the later tokens.
+
+    Args:
+        planes: Canonical plane views, written.
+        pages: The room's page list.
+        page_size: Tokens per page.
+        t0: First token.
+        t1: End token (excluded).
+        head_start: First head.
+        head_count: Heads to write.
+        src: The stream, as [`gather_tokens`][aiotransfer.convert.gather_tokens] fills it.
+
+    Raises:
+        InvalidArgument: As for [`gather_tokens`][aiotransfer.convert.gather_tokens].
     """
     span, stream = _prepare(planes, pages, page_size, t0, t1, head_start, head_count, src, gather=False)
     hs, he = head_start, head_start + head_count
@@ -449,9 +507,23 @@ def convert_tokens(
 ) -> None:
     """Move tokens ``[t0, t1)`` from one geometry's planes to another's, within one process.
 
-    Source heads ``[src_head_start, src_head_start + head_count)`` land on destination heads
-    ``[dst_head_start, ...)``; ``head_count`` defaults to every source head. Both sides are validated
-    before any destination byte changes.
+    Both sides are validated before any destination byte changes.
+
+    Args:
+        src_planes: The source's canonical plane views.
+        src_pages: The source's page list.
+        src_page_size: Source tokens per page.
+        dst_planes: The destination's canonical plane views.
+        dst_pages: The destination's page list.
+        dst_page_size: Destination tokens per page.
+        t0: First token.
+        t1: End token (excluded).
+        src_head_start: First source head.
+        dst_head_start: The destination head the first source head lands on.
+        head_count: Heads to move; None is every source head.
+
+    Raises:
+        InvalidArgument: Planes that do not pair, or out-of-range tokens, pages or heads.
     """
     if len(src_planes) != len(dst_planes):
         raise InvalidArgument(f"plane counts differ: source {len(src_planes)}, destination {len(dst_planes)}")

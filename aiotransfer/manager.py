@@ -69,14 +69,26 @@ log = logging.getLogger("aiotransfer.manager")
 class KVManager:
     """One rank's transfer endpoint: engine + poll loop + control plane + registered buffers.
 
-    Use as an async context manager::
+    Use as an async context manager:
 
-        async with KVManager(args, TransferConfig(engine="mooncake_tcp")) as mgr:
-            tx = mgr.sender(room)            # prefill role
-            rx = mgr.receiver(room, peer)    # decode role (peer = the prefill's mgr.endpoint)
+    ```python
+    async with KVManager(args, TransferConfig(engine="mooncake_tcp")) as mgr:
+        tx = mgr.sender(room)            # prefill role
+        rx = mgr.receiver(room, peer)    # decode role (peer = the prefill's mgr.endpoint)
+    ```
 
     A manager can play both roles. Nothing here blocks the event loop: engine calls go through one
     named executor and one poll loop, and every wait is bounded.
+
+    Args:
+        args: This rank's memory: KV buffers, aux and state buffers, page size, parallelism.
+        config: Engine and bounds; None reads
+            [`TransferConfig.from_env`][aiotransfer.TransferConfig.from_env].
+        engine: An engine object to use instead of creating one from ``config.engine`` (the manager
+            then does not close it).
+
+    Raises:
+        InvalidArgument: A configuration this memory cannot serve (``checksum=True`` with device KV).
     """
 
     def __init__(
@@ -160,7 +172,16 @@ class KVManager:
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> KVManager:
         """Create the engine (on its driver thread, after device binding), register memory, open the control
-        socket and start the heartbeat. Idempotent; ``async with`` calls it for you."""
+        socket and start the heartbeat. Idempotent; ``async with`` calls it for you.
+
+        Returns:
+            This manager.
+
+        Raises:
+            EngineUnavailable: The engine's package is not installed (the message says what to install).
+            EngineError: The engine failed to start or to register the memory.
+            ClosedError: The manager was closed.
+        """
         ctx, cfg = self._ctx, self.config
         if ctx.started:
             return self
@@ -244,7 +265,11 @@ class KVManager:
         """Fail open rooms, drain the poll loop, deregister memory, close sockets (in that order).
 
         Engine writes still in flight after ``timeout`` are waited for in the background, at most the release
-        quarantine, before the rest (see :func:`aiotransfer._kv.shutdown.close_down`)."""
+        quarantine, before the rest (see :func:`aiotransfer._kv.shutdown.close_down`).
+
+        Args:
+            timeout: Seconds to wait for engine writes in flight before leaving them to the background.
+        """
         ctx = self._ctx
         if ctx.closed:
             return
@@ -335,7 +360,18 @@ class KVManager:
         A room number names one request until its pages are released: :class:`InvalidArgument`, naming the
         state, while a sender of that number is open, has ended and still holds its pages, or failed here less
         than ``tombstone_ttl`` ago (``stats()['rooms_refused_in_use']``). A room its decode aborted before this
-        call opens and fails at once with the decode's reason."""
+        call opens and fails at once with the decode's reason.
+
+        Args:
+            room: The request's number, shared with its decode side.
+
+        Returns:
+            The room's sender.
+
+        Raises:
+            InvalidArgument: The room number is in use, or ``max_rooms`` rooms are open.
+            ClosedError: The manager is closed.
+        """
         self._ctx.check_open()
         room = self._check_room(room)
         self._check_capacity(room, self._senders, "sender")
@@ -345,15 +381,28 @@ class KVManager:
         return tx
 
     def receiver(self, room: int, peer: str, *, prefill_dp_rank: int | None = None) -> KVReceiver:
-        """Create the decode side of ``room``, pulling from the prefill deployment whose bootstrap leader
-        (or single rank) is at ``peer`` (``host:port``). ``prefill_dp_rank`` picks the attention-DP group
-        (default ``room % dp_size``). Use it as ``async with mgr.receiver(room, peer) as rx:`` (see
-        :class:`KVReceiver`).
+        """Create the decode side of ``room``, pulling from the prefill deployment at ``peer``. Use it as
+        ``async with mgr.receiver(room, peer) as rx:`` (see [`KVReceiver`][aiotransfer.KVReceiver]).
 
         A room number names one request until its pages are released: :class:`InvalidArgument`, naming the
         state, while a receiver of that number is open, or has ended and awaits its drain acknowledgement, is
         quarantined or still copies into its pages (``stats()['rooms_refused_in_use']``). Await
-        ``rx.released()`` of a failed room before opening its number again."""
+        ``rx.released()`` of a failed room before opening its number again.
+
+        Args:
+            room: The request's number, shared with its prefill side.
+            peer: The prefill deployment's bootstrap leader, or its single rank (``host:port``, the
+                prefill manager's [`endpoint`][aiotransfer.KVManager.endpoint]).
+            prefill_dp_rank: The attention-DP group to pull from (default ``room % dp_size``).
+
+        Returns:
+            The room's receiver.
+
+        Raises:
+            InvalidArgument: The room number is in use, ``max_rooms`` rooms are open, or ``peer`` is not
+                an address.
+            ClosedError: The manager is closed.
+        """
         self._ctx.check_open()
         room = self._check_room(room)
         try:
@@ -368,9 +417,21 @@ class KVManager:
 
     def plan_transfer(self, decode_endpoint: str, src_pages: Any, dst_pages: Any, *,
                       staging: bool | None = None) -> TransferPlan:
-        """The plan ``send_kv`` would make for pages ``src_pages`` (ours) into ``dst_pages`` of the registered
-        decode rank at ``decode_endpoint``: direct engine entries or staged pieces. Nothing moves.
-        ``staging`` forces a path (None decides as ``send_kv`` does). For tools and the curious."""
+        """The plan ``send_kv`` would make: direct engine entries or staged pieces. Nothing moves. For
+        tools and the curious.
+
+        Args:
+            decode_endpoint: A registered decode rank's control endpoint.
+            src_pages: Our pages.
+            dst_pages: The decode's pages.
+            staging: Force a path; None decides as ``send_kv`` does.
+
+        Returns:
+            The entries or pieces, with the path chosen.
+
+        Raises:
+            InvalidArgument: ``decode_endpoint`` is not a registered decode rank, or bad pages.
+        """
         self._ctx.check_open()
         peer = self._prefill.decode_peers.get(decode_endpoint)
         if peer is None:
@@ -474,11 +535,23 @@ class KVManager:
     # -- events ---------------------------------------------------------------------------------
     def add_peer_listener(self, callback: Callable[[PeerEvent], None]) -> Callable[[], None]:
         """Call ``callback(event)`` on the loop for every :class:`PeerEvent` (a peer declared dead,
-        restarted or proven gone, with the rooms it failed here); returns the function that unsubscribes."""
+        restarted or proven gone, with the rooms it failed here).
+
+        Args:
+            callback: Called with each event, on the event loop; it must not block.
+
+        Returns:
+            The function that unsubscribes.
+        """
         return self._events.add_listener(callback)
 
     def peer_events(self, maxsize: int = 256) -> AsyncIterator[PeerEvent]:
-        """The same events as an async iterator; one that falls ``maxsize`` behind loses the oldest."""
+        """The same events as [`add_peer_listener`][aiotransfer.KVManager.add_peer_listener]'s, as an async
+        iterator.
+
+        Args:
+            maxsize: Events kept for a slow reader; one that falls further behind loses the oldest.
+        """
         return self._events.stream(maxsize)
 
     # -- inbound control messages -------------------------------------------------------------

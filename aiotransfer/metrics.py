@@ -109,8 +109,13 @@ class _Observed(Protocol):
 class PrometheusExporter:
     """Register a collector that reads ``manager.stats()`` at scrape time.
 
-    ``PrometheusExporter(mgr).register()`` uses the default registry; pass ``registry=`` for another.
-    Needs ``pip install aiotransfer[prometheus]``.
+    ``PrometheusExporter(mgr).register()`` uses the default registry. Needs
+    ``pip install aiotransfer[prometheus]``.
+
+    Args:
+        manager: What to read: a [`KVManager`][aiotransfer.KVManager].
+        registry: A ``prometheus_client`` registry; None is the default one.
+        labels: Constant labels added to every sample (``{"role": "prefill"}``).
     """
 
     def __init__(self, manager: _Observed, *, registry: Any = None, labels: dict[str, str] | None = None) -> None:

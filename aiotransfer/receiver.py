@@ -114,14 +114,25 @@ class KVReceiver(RoomSide):
     ) -> None:
         """Tell the prefill rank(s) where to write: local page indices, aux slot and state slots.
 
-        ``num_tokens``: the tokens the room holds, its last page possibly part full (default: every page
-        full). Give it when the prefill's page size differs from ours: the prefill sends exactly the pages
-        that hold these tokens. Validated here before anything is sent: indices in range and unique (at most
-        ``MAX_ROOM_PAGES``, 1 Mi, pages and as many state indices per kind), the pages exactly those
-        ``num_tokens`` need, aux slot in range.
-        The first call to a peer also registers this rank's buffers with it (bounded handshake);
-        ``timeout`` (``DEFAULT``: ``handshake_timeout``) bounds the whole call; a call that reaches out takes no
-        ``None``.
+        Validated here before anything is sent: indices in range and unique (at most ``MAX_ROOM_PAGES``,
+        1 Mi, pages and as many state indices per kind), the pages exactly those ``num_tokens`` need, aux
+        slot in range. The first call to a peer also registers this rank's buffers with it (bounded
+        handshake).
+
+        Args:
+            kv_indices: Local page indices the KV lands in, in the order the prefill sends them.
+            aux_index: The local aux slot for the first token and logprobs, or None.
+            state_indices: ``{kind: local indices}`` for hybrid models' state (``mamba``, ``swa``, ``nsa``).
+            num_tokens: The tokens the room holds, its last page possibly part full (default: every page
+                full). Give it when the prefill's page size differs from ours: the prefill sends exactly
+                the pages that hold these tokens.
+            timeout: Bounds the whole call, the handshake included; ``DEFAULT`` means ``handshake_timeout``.
+                A call that reaches out takes no ``None``.
+
+        Raises:
+            InvalidArgument: Bad indices or slots, or metadata already sent.
+            TransferFailed: The room failed (``.reason`` says why).
+            TransferTimeout: The prefill did not answer in time; the room fails.
         """
         ctx = self._ctx
         ctx.check_open()
@@ -191,12 +202,15 @@ class KVReceiver(RoomSide):
     async def done(self, timeout: float | Default | None = DEFAULT) -> None:
         """Wait until every required prefill rank reported Success.
 
-        Raises :class:`TransferFailed` (``.reason`` says why, as reported by prefill) or
-        :class:`TransferTimeout` (the room is then failed and prefill is told). ``timeout``: seconds,
-        ``DEFAULT`` (``done_timeout``) or ``None`` (no bound of its own: the room still ends on a failure, an
-        abort, or a prefill rank's death within about ``peer_timeout + heartbeat_interval``). A cancellation of
-        this call aborts the room as the timeout does (``aborted by decode: done() cancelled``) and stays a
-        cancellation.
+        Args:
+            timeout: Seconds to wait; ``DEFAULT`` means ``done_timeout``; ``None``: no bound of its own (the
+                room still ends on a failure, an abort, or a prefill rank's death within about
+                ``peer_timeout + heartbeat_interval``). A cancellation of this call aborts the room as the
+                timeout does (``aborted by decode: done() cancelled``) and stays a cancellation.
+
+        Raises:
+            TransferFailed: The room failed (``.reason`` says why, as reported by the prefill).
+            TransferTimeout: No terminal status in time; the room is then failed and the prefill told.
         """
         ctx = self._ctx
         ctx.check_open()
@@ -217,7 +231,11 @@ class KVReceiver(RoomSide):
     async def abort(self, reason: str = "aborted by decode") -> None:
         """Fail the room here and tell every prefill rank that may hold it, whether or not the metadata
         was delivered (each then stops posting writes for it and acknowledges the drain). Nothing when the
-        room already ended."""
+        room already ended.
+
+        Args:
+            reason: Recorded by both sides as ``aborted by decode: <reason>``.
+        """
         if self._status.is_terminal:
             return
         reason = decode_reason(reason)
@@ -386,9 +404,16 @@ class KVReceiver(RoomSide):
         After ``Success`` that is at once. After a failure or abort, once every prefill rank asked to
         write here has acknowledged its drain, or has been proven gone (its process replaced, or its
         control port refusing connections), or the quarantine (``release_quarantine_s``) elapsed.
-        Raises :class:`TransferTimeout` (``DEFAULT`` bound: the quarantine plus ``peer_timeout``); ``None``: no
-        bound of its own (the room must end first; the quarantine bounds what follows). Cancelling it changes
-        nothing. :meth:`is_released` is the non-blocking check."""
+        [`is_released`][aiotransfer.KVReceiver.is_released] is the non-blocking check.
+
+        Args:
+            timeout: Seconds to wait; ``DEFAULT`` means the quarantine plus ``peer_timeout``; ``None``: no
+                bound of its own (the room must end first; the quarantine bounds what follows). Cancelling
+                it changes nothing.
+
+        Raises:
+            TransferTimeout: The pages are not released in time.
+        """
         cfg = self._ctx.config
         deadline = Deadline(seconds(timeout, cfg.quarantine_s + cfg.peer_timeout))
         if not await self._wait_released(deadline.at):

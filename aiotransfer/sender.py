@@ -157,11 +157,16 @@ class KVSender(RoomSide):
         """Wait until this room's source pages (and its staging space) are safe to reuse: the room is
         terminal and every engine handle that read them, and every copy of them on a worker thread, is
         over. After ``Success`` that is at once; after a failure, abort or cancellation, once the engine
-        reports the room's last handle terminal, or, for a handle the engine never ends, once the release
-        quarantine (``release_quarantine_s``) abandons it. Raises :class:`TransferTimeout` (``done_timeout``
-        by default): the pages then stay out of reach. ``timeout=None``: no bound of its own (the room must
-        end first; the quarantine bounds what follows). Cancelling it changes nothing. :meth:`is_released` is
-        the non-blocking check."""
+        reports the room's last handle terminal. [`is_released`][aiotransfer.KVSender.is_released] is the
+        non-blocking check.
+
+        Args:
+            timeout: Seconds to wait; ``DEFAULT`` means ``done_timeout``; ``None``: no bound of its own (the
+                room must end first; the quarantine bounds what follows). Cancelling it changes nothing.
+
+        Raises:
+            TransferTimeout: The pages are not released in time; they then stay out of reach.
+        """
         deadline = Deadline(seconds(timeout, self._ctx.config.done_timeout))
         if not await self._wait_released(deadline.at):
             raise self._unreleased(deadline.budget)
@@ -298,11 +303,15 @@ class KVSender(RoomSide):
     async def wait_ready(self, timeout: float | Default | None = DEFAULT) -> None:
         """Wait until every required decode rank has sent its page indices (WaitingForInput).
 
-        ``timeout``: seconds, ``DEFAULT`` (``ready_timeout``) or ``None`` (until the decode speaks, aborts or
-        the manager closes: no liveness bound applies before the decode has spoken). On expiry the room fails
-        on both sides (decode never spoke) and :class:`TransferTimeout` is raised; a cancellation of this
-        call (``asyncio.timeout``, ``wait_for``, a cancel scope, ``task.cancel()``) aborts the room the same
-        way, with ``wait_ready() cancelled`` as the reason, and stays a cancellation.
+        Args:
+            timeout: Seconds to wait; ``DEFAULT`` means ``ready_timeout``; ``None``: until the decode speaks,
+                aborts or the manager closes. On expiry the room fails on both sides; a cancellation of this
+                call (``asyncio.timeout``, ``wait_for``, a cancel scope, ``task.cancel()``) aborts the room
+                the same way, with ``wait_ready() cancelled`` as the reason, and stays a cancellation.
+
+        Raises:
+            TransferTimeout: The decode did not speak in time; the room fails.
+            TransferFailed: The room failed meanwhile (``.reason`` says why).
         """
         self._ctx.check_open()
         t = seconds(timeout, self._ctx.config.ready_timeout)
@@ -322,19 +331,27 @@ class KVSender(RoomSide):
                       timeout: float | Default = DEFAULT) -> None:
         """Send the pages ``indices`` (local page indices) as the next chunk.
 
-        ``indices``: a 1-D integer array (NumPy, or anything ``np.asarray`` reads without a copy, such as a
-        CPU torch tensor) is used as it is; a Python list is converted first, which costs about 50 ns a page
-        on the event loop (0.8 ms for 16,384 pages): give large rooms as arrays.
+        Chunks fill consecutive slices of the decode's page list. The last chunk concludes the room:
+        Success once the aux and state the decode declared have been delivered too.
 
-        Chunks fill consecutive slices of the decode's page list. With ``last=True`` (default) the chunk
-        must complete the list; the room then concludes Success once aux/state declared by decode have
-        been delivered too. ``timeout`` (``DEFAULT``: ``transfer_timeout``) bounds the whole call, the
-        conclusion included; a call that moves data takes no ``None``. Raises
-        :class:`InvalidArgument` before any byte moves on bad input.
+        Args:
+            indices: Local page indices. A 1-D integer array (NumPy, or anything ``np.asarray`` reads
+                without a copy, such as a CPU torch tensor) is used as it is; a Python list is converted
+                first, which costs about 50 ns a page on the event loop (0.8 ms for 16,384 pages): give
+                large rooms as arrays.
+            last: This chunk completes the decode's page list (False for an intermediate chunk).
+            ready: The device work that writes these pages, as an object whose ``query()`` says whether
+                it is done (a ``torch.cuda.Event`` recorded after the forward pass's kernels). No byte
+                moves before it is; it is polled from the loop, within ``timeout``, as for
+                [`KVStream.send_layers`][aiotransfer.KVStream.send_layers].
+            timeout: Bounds the whole call, the conclusion included; ``DEFAULT`` means
+                ``transfer_timeout``. A call that moves data takes no ``None``.
 
-        ``ready``: the device work that writes these pages, as an object whose ``query()`` says whether it
-        is done (a ``torch.cuda.Event`` recorded after the forward pass's kernels). No byte moves before it
-        is; it is polled from the loop, within ``timeout``, as for :meth:`KVStream.send_layers`.
+        Raises:
+            InvalidArgument: Bad input (out-of-range or too many pages, a last chunk that leaves pages
+                unfilled), before any byte moves; the room stays usable.
+            TransferFailed: The room failed (``.reason`` says why, on both sides).
+            TransferTimeout: The call did not end within ``timeout``; the room fails.
         """
         ctx = self._ctx
         budget = seconds(timeout, ctx.config.transfer_timeout, what="send_kv")
@@ -420,10 +437,21 @@ class KVSender(RoomSide):
 
     def stream(self, indices: Any, *, last: bool = True) -> KVStream:
         """Open the pages ``indices`` as the next chunk, to be sent layer by layer with
-        :meth:`KVStream.send_layers` as the forward pass writes each layer. Chunks and layers compose:
-        chunk after chunk, each streamed or sent whole with :meth:`send_kv`. Layers are the KV buffers'
-        ``kv_layer_ids`` (or derived from ``num_layers``, see :meth:`KVArgs.buffer_layers`). Raises
-        :class:`InvalidArgument` before any byte moves on bad input."""
+        [`KVStream.send_layers`][aiotransfer.KVStream.send_layers] as the forward pass writes each layer.
+        Chunks and layers compose: chunk after chunk, each streamed or sent whole with
+        [`send_kv`][aiotransfer.KVSender.send_kv]. Layers are the KV buffers' ``kv_layer_ids`` (or derived
+        from ``num_layers``, see [`KVArgs.buffer_layers`][aiotransfer.KVArgs.buffer_layers]).
+
+        Args:
+            indices: Local page indices, as for [`send_kv`][aiotransfer.KVSender.send_kv].
+            last: This chunk completes the decode's page list.
+
+        Returns:
+            The chunk's stream.
+
+        Raises:
+            InvalidArgument: Bad input, or no layer ids in `KVArgs`, before any byte moves.
+        """
         layers = self._ctx.args.buffer_layers()
         if layers is None:
             raise InvalidArgument(f"room {self.room}: layer streaming needs kv_layer_ids or num_layers in KVArgs")
@@ -554,9 +582,19 @@ class KVSender(RoomSide):
     async def send_aux(self, aux_index: int, *, timeout: float | Default = DEFAULT) -> None:
         """Send local aux slot ``aux_index`` into the slot each decode rank declared.
 
-        The path (engine or TCP control channel) follows :func:`aiotransfer.aux_state.select_aux_path`; on the
-        ``auto`` path an engine failure falls back to TCP within the same ``timeout``. Aux always lands
-        before Success is sent.
+        The path (engine or TCP control channel) follows
+        [`select_aux_path`][aiotransfer.aux_state.select_aux_path]; on the ``auto`` path an engine failure
+        falls back to TCP within the same ``timeout``. Aux always lands before Success is sent.
+
+        Args:
+            aux_index: The local aux slot.
+            timeout: Bounds the call; ``DEFAULT`` means ``transfer_timeout``. A call that moves data takes
+                no ``None``.
+
+        Raises:
+            InvalidArgument: No aux buffers, a slot out of range, or aux already sent.
+            TransferFailed: The room failed (``.reason`` says why).
+            TransferTimeout: The call did not end within ``timeout``; the room fails.
         """
         self._check_sendable()
         ctx = self._ctx
@@ -587,10 +625,20 @@ class KVSender(RoomSide):
 
     async def send_state(self, states: Mapping[str, Any], *, ready: Any = None,
                          timeout: float | Default = DEFAULT) -> None:
-        """Send per-request state: ``{kind: local indices}`` (one slot for ``mamba``; pages for ``swa``/``nsa``).
+        """Send per-request state.
 
-        Kinds and counts must match what decode declared in ``send_metadata``; a mismatch fails the room on
-        both sides with the reason. ``ready``: the device work that writes the state, as for :meth:`send_kv`.
+        Args:
+            states: ``{kind: local indices}`` (one slot for ``mamba``; pages for ``swa``/``nsa``). Kinds
+                and counts must match what the decode declared in ``send_metadata``.
+            ready: The device work that writes the state, as for [`send_kv`][aiotransfer.KVSender.send_kv].
+            timeout: Bounds the call; ``DEFAULT`` means ``transfer_timeout``. A call that moves data takes
+                no ``None``.
+
+        Raises:
+            InvalidArgument: Bad indices, or state already sent.
+            TransferFailed: Kinds or counts differ from the decode's declaration (the room fails on both
+                sides with the reason), or the room failed.
+            TransferTimeout: The call did not end within ``timeout``; the room fails.
         """
         self._check_sendable()
         check_ready(ready, f"room {self.room}")
@@ -632,13 +680,18 @@ class KVSender(RoomSide):
             give_back()
 
     async def done(self, timeout: float | Default | None = DEFAULT) -> None:
-        """Wait for Success; raises :class:`TransferFailed` (with ``.reason``) or :class:`TransferTimeout`.
+        """Wait for Success.
 
-        ``timeout``: seconds, ``DEFAULT`` (``done_timeout``) or ``None`` (no bound of its own: the room still
-        ends on a failure, an abort, the decode's death within about ``peer_timeout + heartbeat_interval``,
-        or the bounds of the sends that conclude it). On expiry the room is aborted on both sides
-        (``aborted by prefill: prefill gave up waiting after ...``); a cancellation of this call aborts it the
-        same way (``aborted by prefill: done() cancelled``) and stays a cancellation.
+        Args:
+            timeout: Seconds to wait; ``DEFAULT`` means ``done_timeout``; ``None``: no bound of its own (the
+                room still ends on a failure, an abort, the decode's death within about ``peer_timeout +
+                heartbeat_interval``, or the bounds of the sends that conclude it). On expiry the room is
+                aborted on both sides; a cancellation of this call aborts it the same way
+                (``aborted by prefill: done() cancelled``) and stays a cancellation.
+
+        Raises:
+            TransferFailed: The room failed (``.reason`` says why, on both sides).
+            TransferTimeout: No terminal status in time.
         """
         self._ctx.check_open()
         t = seconds(timeout, self._ctx.config.done_timeout)
@@ -653,8 +706,11 @@ class KVSender(RoomSide):
         self._raise_if_failed()
 
     async def abort(self, reason: str = "aborted by prefill") -> None:
-        """Fail the room here and on every decode rank that asked for it; both sides record the same reason
-        (``aborted by prefill: <reason>``). Nothing when the room already ended."""
+        """Fail the room here and on every decode rank that asked for it. Nothing when the room already ended.
+
+        Args:
+            reason: Recorded by both sides as ``aborted by prefill: <reason>``.
+        """
         await self._fail(prefill_reason(reason))
 
     def _abandon(self, reason: str) -> None:

@@ -59,16 +59,23 @@ class KVStream:
 
     async def send_layers(self, layers: int | Iterable[int], *, ready: Any = None,
                           timeout: float | Default = DEFAULT) -> None:
-        """Send ``layers`` (one layer id, or several) of this chunk. ``timeout`` (``DEFAULT``:
-        ``transfer_timeout``) bounds the call (the room's conclusion included, on the call that completes the
-        last chunk); a call that moves data takes no ``None``. Raises
-        :class:`InvalidArgument` before any byte moves for a layer that is unknown or already sent.
+        """Send some layers of this chunk.
 
-        ``ready``: the device work that writes these layers, as an object whose ``query()`` says whether
-        it is done: a ``torch.cuda.Event`` recorded on the stream of the layers' kernels. The call waits
-        for it (polled from the loop, which it never blocks) before any of their bytes move. If it is not
-        done within ``timeout``, the room fails with :class:`TransferTimeout`. Without it, the layers must
-        be written when the call is made."""
+        Args:
+            layers: One layer id, or several.
+            ready: The device work that writes these layers, as an object whose ``query()`` says whether
+                it is done: a ``torch.cuda.Event`` recorded on the stream of the layers' kernels. The call
+                waits for it (polled from the loop, which it never blocks) before any of their bytes move.
+                Without it, the layers must be written when the call is made.
+            timeout: Bounds the call (the room's conclusion included, on the call that completes the last
+                chunk); ``DEFAULT`` means ``transfer_timeout``. A call that moves data takes no ``None``.
+
+        Raises:
+            InvalidArgument: A layer that is unknown or already sent, or ``timeout=None``, before any byte
+                moves.
+            TransferTimeout: ``ready`` or the write did not end within ``timeout``; the room fails.
+            TransferFailed: The room failed (``.reason`` says why).
+        """
         seconds(timeout, 0.0, what="send_layers")  # refused before the layers count as sent
         ids = [layers] if isinstance(layers, int) else [int(x) for x in layers]
         if not ids:

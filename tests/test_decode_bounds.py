@@ -135,7 +135,7 @@ def test_a_long_reason_is_cut_when_sent_not_refused_when_received() -> None:
             m.decode(msgspec.msgpack.encode(msg))
 
 
-# -- the issue's messages: refused on their length prefix --------------------------------------------------
+# -- oversized messages: refused on their length prefix ----------------------------------------------------
 
 def _with_array(msg: m.Message, marker: bytes, n: int, item: bytes) -> bytes:
     """``msg`` encoded, its empty array right after ``marker`` replaced by ``n`` copies of ``item``: the

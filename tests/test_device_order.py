@@ -1,4 +1,4 @@
-"""Device-init ordering (issue 5 §2): this rank's device is set on an executor thread before the engine is
+"""Device-init ordering: this rank's device is set on an executor thread before the engine is
 created on that thread, and every executor thread binds the same device.
 
 A fake device module (``set_device`` / ``is_available``) records calls, with thread ids, into the same log

@@ -1,4 +1,4 @@
-"""Interleavings of one room's awaits against aborts, timeouts, restarts and forged messages (DESIGN §7a).
+"""Interleavings of one room's awaits against aborts, timeouts, restarts and forged messages.
 
 Three managers in this process on the memory engine (``aiotransfer.testing``, manual mode) and real ZeroMQ
 on 127.0.0.1: two prefill pipeline stages (PP 2, stage 0 the bootstrap leader) and one decode (PP 1) that

@@ -1,4 +1,4 @@
-"""Mooncake protocol selection (issue 5 §1) and one native engine per process (§3).
+"""Mooncake protocol selection and one native engine per process.
 
 Selection is pure (``select_mooncake_setup`` + ``installed_transport``), so most of this file is tables
 over config x environment x alias x build flags. The real engine is checked in a subprocess (Mooncake's
@@ -375,7 +375,7 @@ def test_real_engine_rdma_on_this_host_reports_tcp() -> None:
     assert "protocol 'rdma' was asked for (from config) but the 'tcp' transport is installed" in proc.stderr
 
 
-# -- one native engine per process (§3) ----------------------------------------------------------------------
+# -- one native engine per process ---------------------------------------------------------------------------
 
 
 def keys(bufs: list[Any]) -> set[tuple[int, int]]:

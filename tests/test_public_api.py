@@ -1,4 +1,5 @@
-"""The curated public surface, and the import boundaries of DESIGN.md §2."""
+"""The curated public surface, and the import boundaries: vendor packages only under engines/,
+zmq only in the control plane, and ``import aiotransfer`` with no engine installed."""
 
 from __future__ import annotations
 

@@ -28,20 +28,26 @@ log = logging.getLogger("aiotransfer.integrations")
 
 
 class BackgroundManager:
-    """A :class:`KVManager` running on an event loop in a daemon thread.
+    """A [`KVManager`][aiotransfer.KVManager] running on an event loop in a daemon thread.
 
-    ::
-
-        with BackgroundManager(KVArgs(kv_tensors, page_size=16), TransferConfig(engine="mooncake_tcp")) as bg:
-            tx = bg.call(lambda m: m.sender(room))                 # a plain function, on the loop thread
-            bg.run(lambda m: tx.wait_ready(timeout=10), timeout=11) # a coroutine, awaited with a bound
-            fut = bg.submit(lambda m: tx.send_kv(pages))            # not awaited: a concurrent Future
-            ...
-            fut.result(timeout=30)
-            tx.poll()                                               # KVPoll reads are safe from any thread
+    ```python
+    with BackgroundManager(KVArgs(kv_tensors, page_size=16), TransferConfig(engine="mooncake_tcp")) as bg:
+        tx = bg.call(lambda m: m.sender(room))                 # a plain function, on the loop thread
+        bg.run(lambda m: tx.wait_ready(timeout=10), timeout=11) # a coroutine, awaited with a bound
+        fut = bg.submit(lambda m: tx.send_kv(pages))            # not awaited: a concurrent Future
+        ...
+        fut.result(timeout=30)
+        tx.poll()                                               # KVPoll reads are safe from any thread
+    ```
 
     ``close()`` (or leaving the ``with`` block) waits, bounded, for submitted work, then closes the manager
     (failing what is still open, draining the engine, deregistering memory) and stops the thread.
+
+    Args:
+        args: The rank's memory, as for [`KVManager`][aiotransfer.KVManager].
+        config: As for [`KVManager`][aiotransfer.KVManager]; None reads the environment.
+        name: Prefix of the loop thread's name.
+        start_timeout: Bound on [`start`][aiotransfer.integrations.BackgroundManager.start].
     """
 
     def __init__(
@@ -61,8 +67,16 @@ class BackgroundManager:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> BackgroundManager:
-        """Start the loop thread and the manager; raises what ``KVManager.start()`` raised, or
-        :class:`TransferTimeout` after ``start_timeout`` seconds."""
+        """Start the loop thread and the manager (leaving the ``with`` block calls it for you).
+
+        Returns:
+            This object.
+
+        Raises:
+            TransferTimeout: Not started within ``start_timeout`` seconds.
+            ClosedError: Already closed.
+            AiotransferError: What [`KVManager.start`][aiotransfer.KVManager.start] raised.
+        """
         with self._lock:
             if self._closed:
                 raise ClosedError("background manager is closed")
@@ -94,7 +108,11 @@ class BackgroundManager:
         return self
 
     def close(self, timeout: float = 10.0) -> None:
-        """Wait (at most ``timeout``) for submitted work, close the manager, stop the thread. Idempotent."""
+        """Wait for submitted work, close the manager, stop the thread. Idempotent.
+
+        Args:
+            timeout: Seconds to wait for submitted work (then cancelled), and for the manager's close.
+        """
         with self._lock:
             if self._closed:
                 return
@@ -144,8 +162,15 @@ class BackgroundManager:
         return self._loop
 
     def submit(self, fn: Callable[[KVManager], Awaitable[T]]) -> concurrent.futures.Future[T]:
-        """Run the coroutine ``fn(manager)`` on the loop thread; returns at once with a concurrent Future
-        (cancel it to cancel the coroutine). ``close()`` waits for submitted work, bounded."""
+        """Run the coroutine ``fn(manager)`` on the loop thread, without waiting for it. ``close()`` waits
+        for submitted work, bounded.
+
+        Args:
+            fn: Called with the manager on the loop thread; returns the awaitable to run.
+
+        Returns:
+            A concurrent Future of its result (cancel it to cancel the coroutine).
+        """
         self._check_caller()
         manager = self.manager
 
@@ -159,12 +184,33 @@ class BackgroundManager:
         return fut
 
     def run(self, fn: Callable[[KVManager], Awaitable[T]], timeout: float) -> T:
-        """:meth:`submit`, then wait at most ``timeout`` seconds; on expiry the coroutine is cancelled and
-        :class:`TransferTimeout` is raised."""
+        """[`submit`][aiotransfer.integrations.BackgroundManager.submit], then wait for the result.
+
+        Args:
+            fn: Called with the manager on the loop thread; returns the awaitable to run.
+            timeout: Seconds to wait.
+
+        Returns:
+            The coroutine's result.
+
+        Raises:
+            TransferTimeout: No result within ``timeout``; the coroutine is cancelled.
+        """
         return self._wait(self.submit(fn), timeout, "call")
 
     def call(self, fn: Callable[[KVManager], T], timeout: float = 10.0) -> T:
-        """Run the plain function ``fn(manager)`` on the loop thread (``m.sender(room)``, ``m.stats()``...)."""
+        """Run the plain function ``fn(manager)`` on the loop thread (``m.sender(room)``, ``m.stats()``...).
+
+        Args:
+            fn: Called with the manager on the loop thread.
+            timeout: Seconds to wait.
+
+        Returns:
+            What ``fn`` returned.
+
+        Raises:
+            TransferTimeout: No result within ``timeout``.
+        """
         self._check_caller()
         manager = self.manager
 

@@ -1,6 +1,6 @@
 """SGLang prefill -> SGLang decode, both unmodified SGLang 0.5.23 in their own processes (the baseline).
 
-Proves the harness (tests/interop/sglang_peer.py on .interop-venv) moves bytes correctly with SGLang's own
+Proves the harness (aiotransfer/_cli/sglang/peer.py on .interop-venv) moves bytes correctly with SGLang's own
 classes on both ends, and measures per-room latency and throughput on ``BASELINE_GEOMETRY``, so the same
 numbers can later be taken with aiotransfer on one end. Skipped when .interop-venv is missing
 (``bash scripts/interop-venv.sh`` builds it); run alone with ``pytest -m interop``.

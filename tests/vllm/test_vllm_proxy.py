@@ -340,7 +340,7 @@ def test_concurrent_dispatch_gives_a_single_engines_tokens(stack: Stack) -> None
 def test_streamed_tokens_pass_through(stack: Stack) -> None:
     """A streamed request through the proxy gives the decode's own tokens, in order, as server-sent events
     that end with ``[DONE]`` and the usage vLLM adds. That the proxy passes each event on as it comes, before
-    the decode sends the next, is proven by causality in tests/test_pd_proxy_stream.py: vLLM cannot hold its
+    the decode sends the next, is proven by causality in tests/test_pd_proxy.py: vLLM cannot hold its
     stream on demand, and when its output loop falls behind (a busy machine) it merges tokens into fewer
     chunks and counts a request finished before the client sees its first token, so neither the chunk count
     nor the timing is checked here."""

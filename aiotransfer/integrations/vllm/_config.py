@@ -208,10 +208,19 @@ def check_room(room: object) -> int:
 
 
 def concurrent_params(endpoint: str, room: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``kv_transfer_params`` for concurrent dispatch: ``(prefill's, decode's)``, the two requests of one
-    prompt sent at once. Both name ``room`` (a router picks one per request, e.g. 63 random bits); the
-    decode's names the prefill worker's control address ``endpoint`` (any answer of that prefill carries
-    it as ``aiotransfer_endpoint``). Raises :class:`InvalidArgument` for a bad address or room."""
+    """``kv_transfer_params`` for concurrent dispatch: the two requests of one prompt sent at once.
+
+    Args:
+        endpoint: The prefill worker's control address (any answer of that prefill carries it as
+            ``aiotransfer_endpoint``); the decode's parameters name it.
+        room: The room both name (a router picks one per request, e.g. 63 random bits).
+
+    Returns:
+        ``(prefill's, decode's)`` parameters.
+
+    Raises:
+        InvalidArgument: A bad address or room.
+    """
     room = check_room(room)
     return ({"do_remote_decode": True, "do_remote_prefill": False, KEY_ROOM: room},
             {"do_remote_prefill": True, "do_remote_decode": False, KEY_ENDPOINT: check_endpoint(endpoint), KEY_ROOM: room})

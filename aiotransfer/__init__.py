@@ -5,16 +5,28 @@ The public surface is re-exported here; everything in underscore modules is inte
 
 from __future__ import annotations
 
+from ._args import Buffer as Buffer
+from ._args import KVArgs as KVArgs
+from ._aux_state import MemPool as MemPool
+from ._aux_state import StateType as StateType
+from ._aux_state import alloc_metadata_buffer as alloc_metadata_buffer
+from ._config import AuxPath as AuxPath
+from ._config import TransferConfig as TransferConfig
 from ._deadline import DEFAULT as DEFAULT
 from ._deadline import Default as Default
+from ._events import PeerEvent as PeerEvent
 from ._lag import LoopLagMonitor as LoopLagMonitor
-from .args import Buffer as Buffer
-from .args import KVArgs as KVArgs
-from .aux_state import MemPool as MemPool
-from .aux_state import StateType as StateType
-from .aux_state import alloc_metadata_buffer as alloc_metadata_buffer
-from .config import AuxPath as AuxPath
-from .config import TransferConfig as TransferConfig
+from ._manager import KVManager as KVManager
+from ._metrics import PrometheusExporter as PrometheusExporter
+from ._receiver import KVReceiver as KVReceiver
+from ._sender import KVSender as KVSender
+from ._status import KVPoll as KVPoll
+from ._stream import KVStream as KVStream
+from ._types import DeviceWork as DeviceWork
+from ._types import LatencySummary as LatencySummary
+from ._types import ManagerStats as ManagerStats
+from ._types import PageIndices as PageIndices
+from ._types import SupportsArray as SupportsArray
 from .errors import AiotransferError as AiotransferError
 from .errors import ClosedError as ClosedError
 from .errors import ConfigError as ConfigError
@@ -26,13 +38,6 @@ from .errors import PeerError as PeerError
 from .errors import ProtocolError as ProtocolError
 from .errors import TransferFailed as TransferFailed
 from .errors import TransferTimeout as TransferTimeout
-from .events import PeerEvent as PeerEvent
-from .manager import KVManager as KVManager
-from .metrics import PrometheusExporter as PrometheusExporter
-from .receiver import KVReceiver as KVReceiver
-from .sender import KVSender as KVSender
-from .status import KVPoll as KVPoll
-from .stream import KVStream as KVStream
 
 __version__ = "0.8.0"
 
@@ -45,6 +50,12 @@ __all__ = [
     "KVSender",
     "KVStream",
     "Buffer",
+    # argument and result types
+    "PageIndices",
+    "SupportsArray",
+    "DeviceWork",
+    "ManagerStats",
+    "LatencySummary",
     # aux and state
     "StateType",
     "MemPool",

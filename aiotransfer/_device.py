@@ -22,8 +22,8 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from ._config import TransferConfig
 from ._deadline import Deadline
-from .config import TransferConfig
 from .errors import InvalidArgument, TransferTimeout
 
 __all__ = ["bind_device", "check_ready", "device_initializer", "use_backends", "wait_device_work"]

@@ -37,9 +37,9 @@ from typing import Any, Protocol, TypeAlias
 from . import _trace
 from ._deadline import reap, within
 from ._driver import Driver
-from .engines.base import EngineStatus, TransferEngine, TransferHandle
+from ._plan import Blocks, split_blocks
+from .engines._base import EngineStatus, TransferEngine, TransferHandle
 from .errors import ClosedError, EngineError, TransferTimeout
-from .plan import Blocks, split_blocks
 
 __all__ = ["Credits", "Hold", "Poller", "WriteGuard", "joint"]
 

@@ -3,7 +3,7 @@
 Used when the KV buffers live on a device (CUDA tensors; ``TransferConfig.staging_backend="auto"``), and
 on host memory when asked for (``"torch"``: how CI runs this code without a GPU). The arena is a uint8
 tensor on the KV's device, registered with the engine like the host arena. Its bytes are laid out as
-:func:`aiotransfer.staging.gather_pages` lays them out (buffer after buffer, pages in order, the row
+:func:`aiotransfer._staging.gather_pages` lays them out (buffer after buffer, pages in order, the row
 slice of each page), so the two sides of a transfer may use different backends.
 
 Whole pages move with ``index_select`` / ``index_copy_`` on a (pages, bytes) view of each buffer; head
@@ -24,9 +24,9 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from .args import Buffer
+from ._args import Buffer
+from ._staging import ARENA_ALIGN, RowSlice, StagingArena, host_view
 from .errors import InvalidArgument
-from .staging import ARENA_ALIGN, RowSlice, StagingArena, host_view
 
 __all__ = ["TorchCopier", "gather_pages_torch", "kv_bytes", "scatter_pages_torch"]
 
@@ -39,7 +39,7 @@ def _units(flat: torch.Tensor, num_pages: int, sl: RowSlice) -> torch.Tensor:
 def gather_pages_torch(
     buffers: Sequence[torch.Tensor], num_pages: Sequence[int], pages: torch.Tensor, sl: RowSlice, out: torch.Tensor
 ) -> None:
-    """:func:`aiotransfer.staging.gather_pages` on uint8 tensors: ``pages`` (an int64 tensor on the
+    """:func:`aiotransfer._staging.gather_pages` on uint8 tensors: ``pages`` (an int64 tensor on the
     buffers' device) of every buffer into ``out``, buffer after buffer."""
     n = int(pages.numel())
     seg = n * sl.bytes_per_page
@@ -83,7 +83,7 @@ def kv_bytes(buf: Buffer, device: torch.device) -> torch.Tensor:
 
 
 class TorchCopier:
-    """:class:`~aiotransfer.staging.ArenaCopier` with torch, on the KV's device (its arena is there too)."""
+    """:class:`~aiotransfer._staging.ArenaCopier` with torch, on the KV's device (its arena is there too)."""
 
     def __init__(self, kv: Sequence[Buffer], device: str, nbytes: int) -> None:
         self.device = torch.device(device)

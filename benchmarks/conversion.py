@@ -5,10 +5,10 @@ One Llama-8B-shaped rank (8 KV heads, head_dim 128 in bf16: 256 bytes a head; 32
 moves ``tokens`` tokens out of scattered pages of one pool into scattered pages of another, as a sender's
 gather and a receiver's scatter would (one process, host memory, single-threaded NumPy):
 
-* (a) baseline: :func:`~aiotransfer.staging.gather_pages` / :func:`~aiotransfer.staging.scatter_pages`,
+* (a) baseline: :func:`~aiotransfer._staging.gather_pages` / :func:`~aiotransfer._staging.scatter_pages`,
   whole 16-token pages on both sides;
-* (b)-(f) :func:`~aiotransfer.convert.gather_tokens` with the source geometry, then
-  :func:`~aiotransfer.convert.scatter_tokens` with the destination one: page size 16 -> 64, 64 -> 16,
+* (b)-(f) :func:`~aiotransfer._convert.gather_tokens` with the source geometry, then
+  :func:`~aiotransfer._convert.scatter_tokens` with the destination one: page size 16 -> 64, 64 -> 16,
   1 -> 16, NHD -> HND, layer_first -> page_first.
 
 Each row reports the best of ``repeat`` runs as GB/s of KV moved (bytes / (gather + scatter time)), and
@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 
 from aiotransfer._cli import console
-from aiotransfer.convert import PageGeometry, gather_tokens, plane_views, scatter_tokens, stream_nbytes
-from aiotransfer.layout import KVLayout
-from aiotransfer.staging import RowSlice, gather_pages, scatter_pages
+from aiotransfer._convert import PageGeometry, gather_tokens, plane_views, scatter_tokens, stream_nbytes
+from aiotransfer._layout import KVLayout
+from aiotransfer._staging import RowSlice, gather_pages, scatter_pages
 
 from . import options
 

@@ -12,7 +12,7 @@ Each side runs in its own process on the one device (the decode is a child proce
   (``custom_mem_pool="INTRA_NODE_NVLINK"``, written by the engine) against host aux on the TCP path;
 * **device copies** (once): the gather (``index_select``) and scatter (``index_copy_``) of 10,000 of
   12,288 scattered 4 KiB pages, the staging copies whose throughput the cost model's
-  :data:`aiotransfer.staging.DEVICE_COPY_BW` stands for.
+  :data:`aiotransfer._staging.DEVICE_COPY_BW` stands for.
 
 ``--device cpu`` runs the same code on host tensors (how CI keeps this module working without a GPU);
 the device-aux figure needs CUDA and is left out there.
@@ -88,7 +88,7 @@ class _Side:
         self.modes = ["host"] + (["device"] if device.startswith("cuda") else [])
         self.aux: dict[str, Any] = {}
         for mode in self.modes:
-            from aiotransfer.aux_state import alloc_metadata_buffer
+            from aiotransfer._aux_state import alloc_metadata_buffer
 
             pool = "INTRA_NODE_NVLINK" if mode == "device" else None
             dev = int(device.partition(":")[2] or 0) if mode == "device" else None

@@ -32,7 +32,7 @@ def front_handshake(mgr: Any, hold: float, mode: str) -> str:
     """Front ``mgr``'s Mooncake engine (a started :class:`~aiotransfer.KVManager` of this process) with the
     listener described above; returns the address it advertises from now on. Patches the adapter class:
     every Mooncake manager of this process advertises it."""
-    from aiotransfer.engines.mooncake import MooncakeEngine
+    from aiotransfer.engines._mooncake import MooncakeEngine
 
     real = mgr.engine.session_id
     host, _, port = real.rpartition(":")

@@ -29,8 +29,15 @@ from typing import Any
 
 import torch
 
-from aiotransfer import KVArgs, KVManager, KVPoll, TransferConfig, TransferFailed
-from aiotransfer.aux_state import StateType, alloc_metadata_buffer
+from aiotransfer import (
+    KVArgs,
+    KVManager,
+    KVPoll,
+    StateType,
+    TransferConfig,
+    TransferFailed,
+    alloc_metadata_buffer,
+)
 
 # Mooncake logs at INFO by default; it reads MC_LOG_LEVEL when its module first loads (children inherit it).
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")

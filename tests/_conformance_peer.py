@@ -27,9 +27,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from aiotransfer.config import TransferConfig
-from aiotransfer.engines.base import MemoryRegion, TransferHandle
-from aiotransfer.plan import Blocks
+from aiotransfer._config import TransferConfig
+from aiotransfer._plan import Blocks
+from aiotransfer.engines._base import MemoryRegion, TransferHandle
 
 MiB = 1 << 20
 Out = dict[str, Any]
@@ -99,7 +99,7 @@ def mooncake_stop(target: dict[str, Any]) -> Out:
     entry: the kernel buffers it whole), W1 (16 entries of 1 MiB, more than the engine's lanes to a peer take
     at once). The source is rewritten 1 s after the engine's first answers, then the stop lasts past
     ``MC_TRANSFER_TIMEOUT``."""
-    from aiotransfer.engines.mooncake import MooncakeEngine
+    from aiotransfer.engines._mooncake import MooncakeEngine
 
     s = Sender(MooncakeEngine(TransferConfig(engine="mooncake_tcp")), target, 33 * MiB)
     out: Out = {"transfer_timeout_s": float(os.environ["MC_TRANSFER_TIMEOUT"]),
@@ -138,7 +138,7 @@ def mooncake_stop(target: dict[str, Any]) -> Out:
 
 def mooncake_batch(target: dict[str, Any]) -> Out:
     """The native multi-entry batch: its -1 and what the engine still reads afterwards."""
-    from aiotransfer.engines.mooncake import MooncakeEngine
+    from aiotransfer.engines._mooncake import MooncakeEngine
 
     s = Sender(MooncakeEngine(TransferConfig(engine="mooncake_tcp")), target, 16 * MiB)
     raw, rc = s.engine.raw(), 0
@@ -183,7 +183,7 @@ class SilentPeer:
 
 def mooncake_handshake(target: dict[str, Any]) -> Out:
     """A handshake that holds the engine's mutex, and what writes to a healthy peer do meanwhile."""
-    from aiotransfer.engines.mooncake import MooncakeEngine
+    from aiotransfer.engines._mooncake import MooncakeEngine
 
     hold = float(os.environ["CONFORMANCE_HOLD_S"])
     s = Sender(MooncakeEngine(TransferConfig(engine="mooncake_tcp", handshake_timeout=2 * hold)), target, MiB)
@@ -219,7 +219,7 @@ def mooncake_handshake(target: dict[str, Any]) -> Out:
 
 def nixl_stop(target: dict[str, Any]) -> Out:
     """A large write to a stopped target: the peer removed under it, raw and through the adapter."""
-    from aiotransfer.engines.nixl import NixlEngine
+    from aiotransfer.engines._nixl import NixlEngine
 
     nbytes = target["nbytes"]
     s = Sender(NixlEngine(TransferConfig(engine="nixl")), target, nbytes)

@@ -18,9 +18,9 @@ import zlib
 
 import numpy as np
 
-from aiotransfer.config import TransferConfig
-from aiotransfer.engines.base import MemoryRegion
-from aiotransfer.engines.registry import create_engine
+from aiotransfer._config import TransferConfig
+from aiotransfer.engines._base import MemoryRegion
+from aiotransfer.engines._registry import create_engine
 
 
 def main() -> None:

@@ -13,9 +13,9 @@ import numpy as np
 import zmq
 
 from aiotransfer import KVArgs, KVManager, KVPoll
-from aiotransfer.control.messages import HelloAck, Topology
-from aiotransfer.receiver import KVReceiver
-from aiotransfer.sender import KVSender
+from aiotransfer._control.messages import HelloAck, Topology
+from aiotransfer._receiver import KVReceiver
+from aiotransfer._sender import KVSender
 
 PS, HEADS, HEAD_BYTES, PAGES = 2, 1, 16, 12
 ITEM = PS * HEADS * HEAD_BYTES

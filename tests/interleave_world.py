@@ -17,10 +17,10 @@ import zmq
 import zmq.asyncio
 
 from aiotransfer import KVManager, KVPoll, TransferConfig
-from aiotransfer.control.messages import Status
-from aiotransfer.engines import registry
-from aiotransfer.receiver import KVReceiver, decode_reason
-from aiotransfer.sender import KVSender
+from aiotransfer._control.messages import Status
+from aiotransfer._receiver import KVReceiver, decode_reason
+from aiotransfer._sender import KVSender
+from aiotransfer.engines import _registry as registry
 from aiotransfer.testing import MemoryEngine, MemoryFabric, Page, Write
 from tests.interleave_parts import PAGES, STAGES, Mailbox, Node, Op, QuickContext, Room, SkewLoop, node_args
 

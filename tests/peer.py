@@ -66,7 +66,7 @@ class Peer:
         if ns.mem_pool and self.aux:  # aux where the pool puts it (INTRA_NODE_NVLINK: on the device)
             import torch
 
-            from aiotransfer.aux_state import alloc_metadata_buffer
+            from aiotransfer._aux_state import alloc_metadata_buffer
 
             device_id = int(ns.device.partition(":")[2] or 0) if ns.device.startswith("cuda") else None
             placed = []
@@ -193,7 +193,7 @@ class Peer:
 
     async def op_break_scatter(self, mgr: KVManager) -> None:
         """Fault injection: every staged piece this process scatters from now on fails."""
-        from aiotransfer import staging
+        from aiotransfer import _staging as staging
 
         def broken(*args: object) -> None:
             raise RuntimeError("scatter broke")

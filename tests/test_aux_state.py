@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from aiotransfer import AuxPath, ConfigError, KVArgs, KVManager, KVPoll, TransferConfig, TransferFailed
-from aiotransfer.aux_state import MemPool, StateType, alloc_metadata_buffer, metadata_device, select_aux_path
-from aiotransfer.engines.base import EngineStatus
+from aiotransfer._aux_state import MemPool, StateType, alloc_metadata_buffer, metadata_device, select_aux_path
+from aiotransfer.engines._base import EngineStatus
 from aiotransfer.errors import EngineError, InvalidArgument
 from tests.conftest import expected_digest
 from tests.peer import make_buffers

@@ -424,9 +424,9 @@ def test_cpu_profile_categories_follow_callers() -> None:
 
     lib = "/x/aiotransfer/"
     harness = "/x/benchmarks/"
-    send = (lib + "sender.py", 1, "send_kv")
-    plan = (lib + "plan.py", 2, "plan_blocks")
-    check = (lib + "engines/mooncake.py", 3, "check")
+    send = (lib + "_sender.py", 1, "send_kv")
+    plan = (lib + "_plan.py", 2, "plan_blocks")
+    check = (lib + "engines/_mooncake.py", 3, "check")
     submit = ("~", 0, "<built-in method mooncake.engine.transfer_submit_write>")
     astype = ("~", 0, "<method 'astype' of 'numpy.ndarray' objects>")
     loop = ("/usr/lib/python3.11/asyncio/base_events.py", 4, "_run_once")
@@ -446,5 +446,5 @@ def test_cpu_profile_categories_follow_callers() -> None:
     assert sec[COMPLETION] == pytest.approx(0.005 + 0.003)
     assert sec[ENGINE] == pytest.approx(0.007)
     assert sec[ROOT] == pytest.approx(0.0005) and sec[HARNESS] == pytest.approx(0.0002)
-    assert [row[0] for row in out["top"]] == [submit[2], "engines/mooncake.py:3(check)", astype[2]]
+    assert [row[0] for row in out["top"]] == [submit[2], "engines/_mooncake.py:3(check)", astype[2]]
     assert [row[2] for row in out["top"]] == [ENGINE, COMPLETION, COMPLETION]  # astype: mostly under check

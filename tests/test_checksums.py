@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from aiotransfer import KVPoll, TransferFailed
+from aiotransfer._control.messages import Status, encode
+from aiotransfer._integrity import region_crcs
 from aiotransfer._kv import decode as decode_module
-from aiotransfer.control.messages import Status, encode
-from aiotransfer.integrity import region_crcs
 from tests.remote import RemotePeer
 from tests.test_lifecycle import BIG, SEED, local_decode, local_prefill, open_room, pages, ready_sender
 from tests.zmqtools import push

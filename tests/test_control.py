@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from aiotransfer import KVArgs, KVManager, KVPoll, TransferConfig
-from aiotransfer._kv.client import Route
-from aiotransfer.control.messages import (
+from aiotransfer._control.messages import (
     PROTOCOL_VERSION,
     Hello,
     Staged,
@@ -22,6 +21,7 @@ from aiotransfer.control.messages import (
     encode,
     pack_indices,
 )
+from aiotransfer._kv.client import Route
 from aiotransfer.errors import ProtocolError
 from tests.conftest import GEOMETRY
 from tests.remote import RemotePeer

@@ -1,4 +1,4 @@
-"""Plain ZeroMQ sockets on the loop (``aiotransfer.control.sockets``): sends keep their order when the peer's
+"""Plain ZeroMQ sockets on the loop (``aiotransfer._control.sockets``): sends keep their order when the peer's
 queue is full, a bounded send withdraws its message, and an idle control plane does not wake the loop."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import zmq
 
-from aiotransfer.control.endpoint import ControlPlane
-from aiotransfer.control.messages import Message, Ping
-from aiotransfer.control.sockets import OrderedSender, Watch
+from aiotransfer._control.endpoint import ControlPlane
+from aiotransfer._control.messages import Message, Ping
+from aiotransfer._control.sockets import OrderedSender, Watch
 
 
 @pytest.fixture
@@ -190,7 +190,7 @@ async def test_evicted_sockets_are_closed_once_they_had_their_time_or_too_many_w
     """Peers that never listen: the sockets evicted from the cache stay open a bounded time to deliver what
     they queued, and at most ``max_sockets`` of them at once (the oldest closes first), so the sockets stay
     bounded however many peers a flood of messages names."""
-    from aiotransfer.control import endpoint
+    from aiotransfer._control import endpoint
 
     monkeypatch.setattr(endpoint, "RETIRE_S", 0.3)
     sender = ControlPlane("127.0.0.1", 0, lambda _: None, max_sockets=3, max_message_bytes=4096)

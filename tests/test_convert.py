@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiotransfer import convert
-from aiotransfer.convert import (
+from aiotransfer import _convert as convert
+from aiotransfer._convert import (
     PageGeometry,
     _page_rows,
     check_convertible,

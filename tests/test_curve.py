@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from aiotransfer import ConfigError, KVArgs, KVManager, PeerError, TransferConfig
-from aiotransfer.control.endpoint import ControlPlane, signed_frames
-from aiotransfer.control.messages import Ping, encode
+from aiotransfer._control.endpoint import ControlPlane, signed_frames
+from aiotransfer._control.messages import Ping, encode
 from tests.peer import make_buffers
 from tests.zmqtools import peak_rss_mib, push, wait_until
 

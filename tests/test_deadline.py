@@ -13,8 +13,8 @@ import pytest
 
 from aiotransfer._deadline import reap, within
 from aiotransfer._poller import Credits
+from aiotransfer._staging import StagingArena
 from aiotransfer.errors import TransferTimeout
-from aiotransfer.staging import StagingArena
 
 
 async def _race(wait: object, complete: object) -> asyncio.Task[str]:

@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 from aiotransfer import InvalidArgument, KVArgs, KVManager, TransferConfig
-from aiotransfer.control import messages as m
-from aiotransfer.control.endpoint import ControlPlane
+from aiotransfer._control import messages as m
+from aiotransfer._control.endpoint import ControlPlane
 from aiotransfer.errors import ProtocolError
 from tests.peer import make_buffers
 from tests.zmqtools import peak_rss_mib

@@ -21,9 +21,9 @@ import pytest
 from aiotransfer import KVArgs, KVManager, TransferConfig
 from aiotransfer._device import bind_device, device_initializer, use_backends
 from aiotransfer._offload import Offloader
-from aiotransfer.engines import registry
-from aiotransfer.engines.base import MemoryRegion
-from aiotransfer.engines.mooncake import MooncakeEngine
+from aiotransfer.engines import _registry as registry
+from aiotransfer.engines._base import MemoryRegion
+from aiotransfer.engines._mooncake import MooncakeEngine
 
 Event = tuple[str, int, Any]  # (what, thread id, detail)
 

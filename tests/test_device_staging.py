@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiotransfer import ConfigError, KVArgs, KVManager, TransferConfig
-from aiotransfer.args import resolve_buffer
-from aiotransfer.staging import (
+from aiotransfer._args import resolve_buffer
+from aiotransfer._staging import (
     DEVICE_COPY_BW,
     HOST_COPY_BW,
     HostCopier,

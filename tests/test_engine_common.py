@@ -14,19 +14,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiotransfer.config import TransferConfig
-from aiotransfer.engines import mooncake as mc
+from aiotransfer._config import TransferConfig
+from aiotransfer.engines import _mooncake as mc
+from aiotransfer.engines._base import EngineBase, EngineStatus, EngineTraits, TransferEngine, TransferHandle
 from aiotransfer.engines._common import LoopGate, RegionIndex, map_errors, quietly
-from aiotransfer.engines.base import EngineBase, EngineStatus, EngineTraits, TransferEngine, TransferHandle
-from aiotransfer.engines.mooncake_setup import recommended_wheels
+from aiotransfer.engines._mooncake_setup import recommended_wheels
 from aiotransfer.errors import ClosedError, ConfigError, EngineError, EngineUnavailable
 from tests import fake_mori
 
 ROOT = Path(__file__).resolve().parent.parent
 
 if TYPE_CHECKING:
-    from aiotransfer.engines.mori import MoriEngine
-    from aiotransfer.engines.nixl import NixlEngine
+    from aiotransfer.engines._mori import MoriEngine
+    from aiotransfer.engines._nixl import NixlEngine
 
     def _adapters_satisfy_the_protocol(a: mc.MooncakeEngine, b: NixlEngine, c: MoriEngine) -> list[TransferEngine]:
         return [a, b, c]  # checked by mypy, structurally
@@ -57,8 +57,8 @@ def test_trait_defaults_live_in_one_place() -> None:
 
 
 def test_adapters_declare_their_traits() -> None:
-    from aiotransfer.engines.mori import MoriEngine
-    from aiotransfer.engines.nixl import NixlEngine
+    from aiotransfer.engines._mori import MoriEngine
+    from aiotransfer.engines._nixl import NixlEngine
 
     assert mc.MooncakeEngine.traits == EngineTraits(quiet_threads=True, landing_grace_s=1.0, inline_slice=64)
     assert (NixlEngine.traits.quiet_threads, NixlEngine.traits.landing_grace_s) == (False, 0.0)
@@ -68,7 +68,7 @@ def test_adapters_declare_their_traits() -> None:
 
 def test_mori_over_the_fake_satisfies_the_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_mori.install(monkeypatch.setitem)
-    from aiotransfer.engines.mori import MoriEngine
+    from aiotransfer.engines._mori import MoriEngine
 
     engine = MoriEngine(TransferConfig(engine="mori"))
     try:
@@ -83,7 +83,7 @@ def test_mori_over_the_fake_satisfies_the_protocol(monkeypatch: pytest.MonkeyPat
 
 
 def test_registry_refuses_an_engine_without_the_optional_members() -> None:
-    from aiotransfer.engines import registry
+    from aiotransfer.engines import _registry as registry
 
     closed: list[bool] = []
 
@@ -208,7 +208,7 @@ def test_no_wheel_for_old_cuda() -> None:
 
 
 def test_setup_module_is_pure() -> None:
-    code = ("import sys, aiotransfer.engines.mooncake_setup, aiotransfer.engines.mooncake; "
+    code = ("import sys, aiotransfer.engines._mooncake_setup, aiotransfer.engines._mooncake; "
             "assert 'mooncake' not in sys.modules and 'mooncake.engine' not in sys.modules; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
@@ -233,7 +233,7 @@ def test_init_filter_drops_only_the_benign_line(capfd: pytest.CaptureFixture[str
 
 
 def test_a_normal_mooncake_start_logs_no_error() -> None:
-    code = ("from aiotransfer.config import TransferConfig; from aiotransfer.engines.mooncake import MooncakeEngine; "
+    code = ("from aiotransfer._config import TransferConfig; from aiotransfer.engines._mooncake import MooncakeEngine; "
             "e = MooncakeEngine(TransferConfig(engine='mooncake_tcp')); print(e.session_id); e.close()")
     env: dict[str, Any] = {**os.environ, "MC_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -273,7 +273,7 @@ def test_nixl_few_entry_descriptors_equal_the_vectorised_ones(
 ) -> None:
     """A write of up to eight entries has its descriptors built in plain Python: the same rows, memory type
     and errors (an address outside every region, DRAM mixed with VRAM) as the NumPy path."""
-    from aiotransfer.engines import nixl
+    from aiotransfer.engines import _nixl as nixl
 
     rows, base = [], 1 << 20
     for pages, vram in regions:  # regions with gaps between them, some of them VRAM
@@ -324,14 +324,14 @@ def _mooncake_over(native: _Native) -> mc.MooncakeEngine:
 
 
 def _blocks(n: int) -> Any:
-    from aiotransfer.plan import Blocks
+    from aiotransfer._plan import Blocks
 
     return Blocks(np.arange(n, dtype=np.uint64) * 4096 + 4096, np.arange(n, dtype=np.uint64) * 4096 + 65536,
                   np.full(n, 4096, dtype=np.uint64))
 
 
 def test_a_mooncake_write_of_a_few_entries_is_done_once_every_entry_is() -> None:
-    from aiotransfer.engines.base import EngineStatus
+    from aiotransfer.engines._base import EngineStatus
 
     native = _Native()
     engine = _mooncake_over(native)
@@ -346,7 +346,7 @@ def test_a_mooncake_write_of_a_few_entries_is_done_once_every_entry_is() -> None
 
 
 def test_a_mooncake_entry_refused_after_others_were_posted_fails_the_write_only_once_they_are_over() -> None:
-    from aiotransfer.engines.base import EngineStatus
+    from aiotransfer.engines._base import EngineStatus
 
     native = _Native(refuse=(2,))
     engine = _mooncake_over(native)
@@ -363,7 +363,7 @@ def test_a_mooncake_entry_refused_after_others_were_posted_fails_the_write_only_
 
 
 def test_a_mooncake_entry_that_fails_fails_the_write_once_every_entry_is_over() -> None:
-    from aiotransfer.engines.base import EngineStatus
+    from aiotransfer.engines._base import EngineStatus
 
     native = _Native()
     engine = _mooncake_over(native)
@@ -377,7 +377,7 @@ def test_a_mooncake_entry_that_fails_fails_the_write_once_every_entry_is_over() 
 def test_a_mooncake_timeout_is_not_an_end() -> None:
     """-2 (TIMEOUT): the entry still runs and its id stays valid. The handle is doomed at once and asked again;
     it ends only when the entry does, here by completing late (a stopped peer resumed)."""
-    from aiotransfer.engines.base import EngineStatus
+    from aiotransfer.engines._base import EngineStatus
 
     native = _Native()
     engine = _mooncake_over(native)
@@ -427,7 +427,7 @@ def test_mooncake_posts_from_the_loop_only_while_no_handshake_can_hold_the_engin
 def test_a_mooncake_write_of_many_entries_asks_only_its_oldest_running_ones() -> None:
     """A round asks entries in posting order and stops at ``_CHECK_WINDOW`` still running (a write of a thousand
     entries must not cost a thousand status calls per poll); ended entries are never asked again."""
-    from aiotransfer.engines.base import EngineStatus
+    from aiotransfer.engines._base import EngineStatus
 
     native = _Native()
     engine = _mooncake_over(native)
@@ -455,7 +455,7 @@ def test_a_mooncake_write_of_many_entries_asks_only_its_oldest_running_ones() ->
 def test_a_mooncake_round_costs_the_window_whatever_the_length_of_the_write() -> None:
     """Entries that end out of order are never asked again, and a round over a write of 2,000 entries asks
     the window of running entries plus those that ended since the last round, not every entry before them."""
-    from aiotransfer.engines.base import EngineStatus
+    from aiotransfer.engines._base import EngineStatus
 
     native = _Native()
     engine = _mooncake_over(native)

@@ -48,9 +48,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiotransfer.engines.base import EngineStatus, MemoryRegion, TransferHandle
+from aiotransfer._plan import Blocks
+from aiotransfer.engines._base import EngineStatus, MemoryRegion, TransferHandle
 from aiotransfer.errors import EngineError
-from aiotransfer.plan import Blocks
 from aiotransfer.testing import MemoryEngine, MemoryFabric, Write
 from tests.conftest import nixl_available
 

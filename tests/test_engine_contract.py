@@ -30,17 +30,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiotransfer.config import TransferConfig
-from aiotransfer.engines.base import (
+from aiotransfer._config import TransferConfig
+from aiotransfer._plan import Blocks
+from aiotransfer.engines._base import (
     EngineStatus,
     EngineTraits,
     MemoryRegion,
     TransferEngine,
     TransferHandle,
 )
-from aiotransfer.engines.registry import create_engine
+from aiotransfer.engines._registry import create_engine
 from aiotransfer.errors import ClosedError, EngineError, EngineUnavailable
-from aiotransfer.plan import Blocks
 from aiotransfer.testing import MemoryFabric
 from tests import fake_mori
 
@@ -150,16 +150,16 @@ class Rig:
 def _make_engine(kind: str) -> Any:
     try:
         if kind == "mooncake":
-            from aiotransfer.engines.mooncake import MooncakeEngine
+            from aiotransfer.engines._mooncake import MooncakeEngine
 
             return MooncakeEngine(TransferConfig(engine="mooncake_tcp"))
         if kind == "nixl":
-            from aiotransfer.engines.nixl import NixlEngine
+            from aiotransfer.engines._nixl import NixlEngine
 
             return NixlEngine(TransferConfig(engine="nixl"))
         if kind == "memory":
             return create_engine(TransferConfig(engine="memory"))
-        from aiotransfer.engines.mori import MoriEngine
+        from aiotransfer.engines._mori import MoriEngine
 
         return MoriEngine(TransferConfig(engine="mori"))
     except EngineUnavailable as exc:
@@ -438,7 +438,7 @@ def test_mooncake_peer_restarted_on_the_same_address_is_reachable_again() -> Non
 
 
 def test_nixl_missing_package_names_the_install_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiotransfer.engines import nixl
+    from aiotransfer.engines import _nixl as nixl
 
     for name in ("nixl_cu12", "nixl_cu12._api", "nixl_cu13", "nixl_cu13._api", "nixl", "nixl._api"):
         monkeypatch.setitem(sys.modules, name, None)
@@ -447,7 +447,7 @@ def test_nixl_missing_package_names_the_install_line(monkeypatch: pytest.MonkeyP
 
 
 def test_nixl_env_defaults() -> None:
-    from aiotransfer.engines.nixl import nixl_env_defaults
+    from aiotransfer.engines._nixl import nixl_env_defaults
 
     assert nixl_env_defaults({}, log_level="WARNING", has_rdma_device=False) == {
         "NIXL_LOG_LEVEL": "WARN",
@@ -476,7 +476,7 @@ def test_nixl_rejects_bad_peer_info(rig: Rig) -> None:
 @pytest.fixture
 def mori_pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, LocalPeer, np.ndarray, fake_mori.FakeMori]]:
     fake = fake_mori.install(monkeypatch.setitem)
-    from aiotransfer.engines.mori import MoriEngine
+    from aiotransfer.engines._mori import MoriEngine
 
     engine = MoriEngine(TransferConfig(engine="mori"))
     peer = LocalPeer(MoriEngine(TransferConfig(engine="mori")))
@@ -528,7 +528,7 @@ def test_mori_scripted_failure_is_reported_and_is_not_an_end(mori_pair: Any) -> 
     """ERR_RDMA_OP may come while some of the status's work still runs (a partial post, a failed notification
     after the data, the first of several queue pairs): the handle is doomed at once, never ended by it, and
     ``abandon`` (after the release quarantine) parks its statuses instead of dropping them."""
-    from aiotransfer.engines import mori
+    from aiotransfer.engines import _mori as mori
 
     engine, peer, src, fake = mori_pair
     fake.fail_next(fake_mori.StatusCode.ERR_RDMA_OP, "link down")
@@ -575,7 +575,7 @@ def test_mori_peer_death_in_flight_fails_the_handle(mori_pair: Any) -> None:
 
 
 def test_mori_close_with_transfer_in_flight_keeps_statuses(mori_pair: Any) -> None:
-    from aiotransfer.engines import mori
+    from aiotransfer.engines import _mori as mori
 
     engine, peer, src, fake = mori_pair
     fake.polls_to_complete = 1000
@@ -589,7 +589,7 @@ def test_mori_close_with_transfer_in_flight_keeps_statuses(mori_pair: Any) -> No
 
 
 def test_mori_setup_failure_and_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiotransfer.engines.mori import MoriEngine
+    from aiotransfer.engines._mori import MoriEngine
 
     fake = fake_mori.install(monkeypatch.setitem)
     fake.rdma_available = False

@@ -135,7 +135,7 @@ async def test_nvlink_aux_on_the_device_moves_on_the_engine_path(gpu_engine: str
     """INTRA_NODE_NVLINK: aux buffers allocated on the device on both sides, sent by the engine, byte-exact."""
     import torch
 
-    from aiotransfer.aux_state import alloc_metadata_buffer
+    from aiotransfer._aux_state import alloc_metadata_buffer
 
     geometry: dict[str, Any] = {"buffers": 2, "pages": 64, "item_len": 4096}
     bufs = make_buffers(geometry["buffers"], geometry["pages"], geometry["item_len"], seed=21)

@@ -29,9 +29,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiotransfer import KVArgs, KVManager, KVPoll, TransferConfig, TransferFailed
-from aiotransfer._kv.peers import PendingRequests, Stashed
-from aiotransfer.control.endpoint import ControlPlane, ReplayGuard, signed_frames
-from aiotransfer.control.messages import (
+from aiotransfer._control.endpoint import ControlPlane, ReplayGuard, signed_frames
+from aiotransfer._control.messages import (
     PROTOCOL_VERSION,
     Abort,
     AuxData,
@@ -53,6 +52,7 @@ from aiotransfer.control.messages import (
     encode,
     pack_indices,
 )
+from aiotransfer._kv.peers import PendingRequests, Stashed
 from aiotransfer.errors import ProtocolError
 from tests.peer import make_buffers
 from tests.zmqtools import push, wait_until

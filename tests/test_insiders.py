@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from aiotransfer import KVArgs, KVManager, KVPoll, TransferConfig, TransferFailed
-from aiotransfer.control.endpoint import ControlPlane
-from aiotransfer.control.messages import Drained, Ping, StageGrant, StageRequest, Status
+from aiotransfer._control.endpoint import ControlPlane
+from aiotransfer._control.messages import Drained, Ping, StageGrant, StageRequest, Status
 from aiotransfer.errors import ProtocolError
 from tests.peer import digest, make_buffers
 from tests.remote import RemotePeer

@@ -67,8 +67,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
 
 from aiotransfer import KVPoll
-from aiotransfer.engines.base import EngineStatus
-from aiotransfer.receiver import KVReceiver
+from aiotransfer._receiver import KVReceiver
+from aiotransfer.engines._base import EngineStatus
 from tests.interleave_parts import STAGES, Room
 from tests.interleave_world import ENGINE_TIMEOUT, EXAMPLES, LANDING_GRACE, SOAK, STEPS, Violation, World
 

@@ -16,7 +16,7 @@ import pytest
 
 from aiotransfer import KVArgs, KVManager, KVPoll, PeerEvent, TransferConfig, TransferFailed, TransferTimeout
 from aiotransfer._kv.prefill import PrefillSide
-from aiotransfer.staging import HostCopier
+from aiotransfer._staging import HostCopier
 from tests.peer import digest, make_buffers
 from tests.remote import RemoteError, RemotePeer
 

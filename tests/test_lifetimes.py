@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from aiotransfer import TransferTimeout
-from aiotransfer import staging as staging_module
-from aiotransfer.staging import gather_pages
+from aiotransfer import _staging as staging_module
+from aiotransfer._staging import gather_pages
 from tests.conftest import expected_digest
 from tests.remote import RemotePeer
 from tests.test_transfer import scattered, scattered_room

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from aiotransfer import TransferConfig, TransferTimeout
-from aiotransfer.engines.base import EngineStatus, MemoryRegion, TransferHandle
-from aiotransfer.engines.registry import create_engine
+from aiotransfer._plan import Blocks
+from aiotransfer.engines._base import EngineStatus, MemoryRegion, TransferHandle
+from aiotransfer.engines._registry import create_engine
 from aiotransfer.errors import ConfigError, EngineError
-from aiotransfer.plan import Blocks
 from aiotransfer.testing import MemoryEngine, MemoryFabric, current_fabric, default_fabric
 
 PAGE = 4096

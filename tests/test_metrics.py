@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from aiotransfer import KVManager
-from aiotransfer.metrics import Histogram, PrometheusExporter, failure_category
+from aiotransfer import KVManager, ManagerStats
+from aiotransfer._metrics import Histogram, PrometheusExporter, failure_category
 from tests.remote import RemotePeer
 
 
@@ -41,6 +41,9 @@ async def test_stats_and_prometheus_after_transfers(prefill: KVManager, decode: 
     assert stats["latency"]["room_tx"]["count"] == 2
     assert stats["failures_by_reason"] == {"aborted_by_prefill": 1}  # the reason says which side aborted
     assert stats["rooms_sent_success"] == 1 and stats["rooms_sent_failed"] == 1
+    declared = ManagerStats.__required_keys__ | ManagerStats.__optional_keys__
+    assert ManagerStats.__required_keys__ <= set(stats)
+    assert set(stats) <= declared, set(stats) - declared  # every key stats() returns is typed
     registry = CollectorRegistry()
     PrometheusExporter(prefill, registry=registry, labels={"role": "prefill"}).register()
     text = generate_latest(registry).decode()

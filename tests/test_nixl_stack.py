@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 
 from aiotransfer import KVArgs, KVManager, KVPoll, TransferConfig
-from aiotransfer.engines.base import TransferHandle
+from aiotransfer._plan import Blocks
+from aiotransfer.engines._base import TransferHandle
 from aiotransfer.errors import ConfigError, EngineUnavailable
-from aiotransfer.plan import Blocks
 
 BUFFERS, PAGES, ITEM = 3, 128, 2048
 
 
 def _nixl_or_skip() -> None:
-    from aiotransfer.engines.nixl import NixlEngine
+    from aiotransfer.engines._nixl import NixlEngine
 
     try:
         NixlEngine(TransferConfig(engine="nixl")).close()
@@ -142,7 +142,7 @@ async def test_nixl_writes_up_to_1_mib_post_from_the_loop_only_while_nothing_els
     """A write over ``inline_max_bytes`` but within ``inline_alone_max_bytes`` (64 pages of 3 buffers, 384
     KiB) is posted from the loop while no other write of the agent is in flight; with one in flight it goes
     through the executor; above the alone limit it always does. Bytes land every time."""
-    from aiotransfer.engines.nixl import NixlEngine
+    from aiotransfer.engines._nixl import NixlEngine
 
     _nixl_or_skip()
     nbytes = 64 * BUFFERS * ITEM
@@ -182,7 +182,7 @@ def test_nixl_progress_delay_lets_the_progress_thread_sleep(delay_us: int) -> No
     """NIXL's UCX progress thread polls without pause by default (a core while idle); with
     ``nixl_progress_delay_us`` it sleeps between polls. Measured on the threads the agent starts."""
     _nixl_or_skip()
-    from aiotransfer.engines.nixl import NixlEngine
+    from aiotransfer.engines._nixl import NixlEngine
 
     before = {int(t) for t in os.listdir("/proc/self/task")}
     engine = NixlEngine(TransferConfig(engine="nixl", nixl_progress_delay_us=delay_us))
@@ -204,7 +204,7 @@ def test_nixl_progress_delay_lets_the_progress_thread_sleep(delay_us: int) -> No
 
 def test_nixl_progress_delay_without_the_native_setting_is_declined(caplog: pytest.LogCaptureFixture) -> None:
     """A NIXL build without the native progress-delay field: the agent is made as usual, delay 0, logged."""
-    from aiotransfer.engines import nixl
+    from aiotransfer.engines import _nixl as nixl
 
     made: list[tuple[str, Any]] = []
 

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiotransfer import InvalidArgument, KVArgs, KVManager, KVPoll, KVSender, TransferConfig
-from aiotransfer.layout import RankGeometry, pair_buffers
-from aiotransfer.plan import unit_span, units_of
+from aiotransfer._layout import RankGeometry, pair_buffers
+from aiotransfer._plan import unit_span, units_of
 from tests.conftest import expected_digest
 from tests.remote import RemoteError, RemotePeer
 from tests.test_parallel import prefill_ranks

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from aiotransfer import KVArgs, KVManager, KVPoll, TransferConfig
-from aiotransfer.topology import held_heads
+from aiotransfer._topology import held_heads
 from tests.conftest import expected_digest
 from tests.remote import RemoteError, RemotePeer
 

@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiotransfer.errors import InvalidArgument
-from aiotransfer.plan import (
+from aiotransfer._plan import (
     Blocks,
     as_index_array,
     check_range,
@@ -25,6 +24,7 @@ from aiotransfer.plan import (
     plan_slots,
     split_blocks,
 )
+from aiotransfer.errors import InvalidArgument
 
 U64 = np.uint64
 

@@ -16,8 +16,9 @@ import pytest
 
 from aiotransfer import _poller
 from aiotransfer._driver import Driver
+from aiotransfer._plan import Blocks
 from aiotransfer._poller import Poller
-from aiotransfer.engines.base import (
+from aiotransfer.engines._base import (
     EngineBase,
     EngineStatus,
     EngineTraits,
@@ -25,7 +26,6 @@ from aiotransfer.engines.base import (
     TransferHandle,
 )
 from aiotransfer.errors import EngineError, TransferTimeout
-from aiotransfer.plan import Blocks
 
 WATCH_S = 0.1
 
@@ -516,7 +516,7 @@ async def test_an_abandoned_write_gives_its_credit_back_exactly_once() -> None:
     back to zero, not below (a credit given back twice lets the next writes past the cap)."""
     from types import SimpleNamespace
 
-    from aiotransfer.engines.base import MemoryRegion
+    from aiotransfer.engines._base import MemoryRegion
     from aiotransfer.testing import MemoryEngine, MemoryFabric
 
     cap = 4

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from aiotransfer import KVArgs, KVManager, KVPoll, TransferConfig, TransferFailed
-from aiotransfer.control.messages import Status, encode
+from aiotransfer._control.messages import Status, encode
 from tests.peer import make_buffers
 from tests.zmqtools import push
 

@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 
 from aiotransfer import KVArgs, KVManager, TransferConfig
-from aiotransfer.engines import mooncake as mc
-from aiotransfer.engines import mooncake_setup as mcs
-from aiotransfer.engines.mooncake import (
+from aiotransfer.engines import _mooncake as mc
+from aiotransfer.engines import _mooncake_setup as mcs
+from aiotransfer.engines._mooncake import (
     MOONCAKE_PROTOCOLS,
     MooncakeSetup,
     installed_transport,

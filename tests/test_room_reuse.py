@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from aiotransfer import InvalidArgument, KVArgs, KVManager, KVPoll, TransferConfig, TransferFailed
+from aiotransfer._control.messages import StageGrant, StageRequest, encode
 from aiotransfer._kv.lifecycle import Lifecycle
 from aiotransfer._kv.prefill import PrefillSide
-from aiotransfer.control.messages import StageGrant, StageRequest, encode
 from tests.peer import digest, make_buffers
 from tests.zmqtools import push, wait_until
 

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aiotransfer import KVArgs, KVManager, TransferConfig
-from aiotransfer.control.endpoint import ControlPlane, signed_frames
-from aiotransfer.control.messages import Ping, Status, TransferRequest, encode
+from aiotransfer._control.endpoint import ControlPlane, signed_frames
+from aiotransfer._control.messages import Ping, Status, TransferRequest, encode
 from aiotransfer.errors import ProtocolError
 from tests.conftest import GEOMETRY, expected_digest
 from tests.peer import make_buffers

@@ -1,4 +1,4 @@
-"""The SGLang profile's frame codec (``aiotransfer.control.sglang._frames``), without sockets: what we
+"""The SGLang profile's frame codec (``aiotransfer._control.sglang._frames``), without sockets: what we
 encode decodes back to the same internal message, and malformed frames are refused. The codec against
 real SGLang processes is covered by ``tests/interop``."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aiotransfer.control.messages import AuxData, BufferSpec, Hello, Status, TransferRequest
-from aiotransfer.control.sglang import SglangControlPlane, SglangIdentity, pack_int_lists, unpack_int_lists
-from aiotransfer.control.sglang import _frames as fr
-from aiotransfer.control.sglang._bootstrap import BootstrapServer, registration_body, topology_problem
+from aiotransfer._control.messages import AuxData, BufferSpec, Hello, Status, TransferRequest
+from aiotransfer._control.sglang import SglangControlPlane, SglangIdentity, pack_int_lists, unpack_int_lists
+from aiotransfer._control.sglang import _frames as fr
+from aiotransfer._control.sglang._bootstrap import BootstrapServer, registration_body, topology_problem
 from aiotransfer.errors import ProtocolError
 
 ME = SglangIdentity(
@@ -21,7 +21,7 @@ ME = SglangIdentity(
 
 
 def test_public_names() -> None:
-    assert SglangControlPlane.__module__ == "aiotransfer.control.sglang._plane"
+    assert SglangControlPlane.__module__ == "aiotransfer._control.sglang._plane"
     assert ME.unique_rank == 1
 
 

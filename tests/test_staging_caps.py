@@ -15,8 +15,8 @@ import zmq
 import zmq.asyncio
 
 from aiotransfer import TransferConfig
+from aiotransfer._control.messages import StageGrant, StageRequest, Status, TransferRequest, encode
 from aiotransfer._kv.peers import PendingRequests, Stashed
-from aiotransfer.control.messages import StageGrant, StageRequest, Status, TransferRequest, encode
 from aiotransfer.errors import ConfigError
 from tests.peer import digest
 from tests.test_room_reuse import STAGED, managers

@@ -7,7 +7,7 @@ import asyncio
 import signal
 import socket
 
-from aiotransfer.control.messages import StageRequest, encode
+from aiotransfer._control.messages import StageRequest, encode
 from tests.peer import digest
 from tests.remote import RemotePeer
 from tests.test_lifecycle import BIG, SEED, expected, local_decode, open_room, pages

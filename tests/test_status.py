@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aiotransfer.status import KVPoll, PollLatch, StatusTable, apply_status
+from aiotransfer._status import KVPoll, PollLatch, StatusTable, apply_status
 
 F = KVPoll.Failed
 B = KVPoll.Bootstrapping

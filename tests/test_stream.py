@@ -296,7 +296,7 @@ async def test_a_ready_without_query_is_refused_before_any_byte_moves(engine: st
     async with streamed_room(engine, decode, 13, 20) as (_mgr, tx, bufs, src, dst):
         stream = tx.stream(src)
         with pytest.raises(InvalidArgument, match=r"query\(\) method"):
-            await stream.send_layers(0, ready=object())
+            await stream.send_layers(0, ready=object())  # type: ignore[arg-type]
         assert stream.layers_left == (0, 1)  # nothing was taken: the layer can still be sent
         await stream.send_layers([0, 1])
         await tx.done(timeout=10)
@@ -355,7 +355,7 @@ async def test_send_kv_refuses_a_ready_without_query_before_taking_its_pages(eng
                                                                              decode: RemotePeer) -> None:
     async with streamed_room(engine, decode, 17, 20) as (_mgr, tx, bufs, src, dst):
         with pytest.raises(InvalidArgument, match=r"query\(\) method"):
-            await tx.send_kv(src, ready=42)
+            await tx.send_kv(src, ready=42)  # type: ignore[arg-type]
         await tx.send_kv(src)  # the pages were not taken: the same chunk goes now
         await tx.done(timeout=10)
         assert (await decode.call("digest", pages=dst))["digest"] == expected_digest(bufs, src)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from aiotransfer._topology import HeadSlice, ParallelInfo, head_slice, held_heads, map_ranks, unique_rank
 from aiotransfer.errors import ConfigError, IncompatiblePeer
-from aiotransfer.topology import HeadSlice, ParallelInfo, head_slice, held_heads, map_ranks, unique_rank
 
 
 def _targets(m):

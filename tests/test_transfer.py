@@ -358,7 +358,7 @@ async def test_success_leaves_at_completion_and_yields_only_when_idle(
     in flight the loop then yields its CPU to ZMQ's I/O thread once, unless configured off or the engine
     has busy threads."""
     from aiotransfer import KVArgs, TransferConfig
-    from aiotransfer.control import endpoint
+    from aiotransfer._control import endpoint
     from tests.peer import make_buffers
 
     yields: list[int] = []
@@ -457,7 +457,7 @@ async def test_staged_piece_failing_before_its_write_hands_the_decode_space_back
 ) -> None:
     """A staged piece asks the decode for space while it gathers; when the gather fails nothing is written
     there, so the space goes back (an empty piece) instead of staying held on the decode forever."""
-    from aiotransfer import staging as staging_module
+    from aiotransfer import _staging as staging_module
 
     def broken_gather(*args: object) -> None:
         raise RuntimeError("gather broke")

@@ -26,7 +26,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aiotransfer import ConfigError, InvalidArgument, KVArgs
-from aiotransfer.control.endpoint import normalize_endpoint
+from aiotransfer._control.endpoint import normalize_endpoint
 from aiotransfer.errors import AiotransferError
 from aiotransfer.integrations.vllm._config import (
     KEY_ENDPOINT,

@@ -1,7 +1,7 @@
 """``aiotransfer`` / ``python -m aiotransfer``: ``demo``, ``bench`` and ``doctor``.
 
 The tools sit below the public face: they use ``from aiotransfer import ...`` and the pure modules
-(:mod:`aiotransfer.staging`, :mod:`aiotransfer.plan`, :mod:`aiotransfer._lag`); the library never imports
+(:mod:`aiotransfer._staging`, :mod:`aiotransfer._plan`, :mod:`aiotransfer._lag`); the library never imports
 them. One job per module:
 
 * :mod:`~aiotransfer._cli.doctor`   -- what is installed, which transport Mooncake would use, the fix lines

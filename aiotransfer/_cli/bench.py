@@ -356,7 +356,7 @@ async def _run_figure(
                     raw_times[style].append(await raw_once(styles[style]))
                     await lag_raw.stop()
         await decode.call({"cmd": "teardown"})
-        counters = {k: v for k, v in mgr.stats().items() if k.startswith("kv_")}
+        entries_sent = mgr.stats().get("kv_entries_sent", 0)
 
     nbytes = fig.nbytes
     raw_medians = {name: _median(ts) for name, ts in raw_times.items()}
@@ -381,7 +381,7 @@ async def _run_figure(
             "median_s": aio_s,
             "gbps": _gbps(nbytes, aio_s),
             "times_s": aio_times,
-            "entries": int(counters.get("kv_entries_sent", 0)) // (ns.repeats + 1),
+            "entries": entries_sent // (ns.repeats + 1),
             "loop_lag": lag_aio.summary(),
         },
         "ratio": raw_s / aio_s if aio_s > 0 else float("nan"),

@@ -243,7 +243,7 @@ def _check_transport(rep: Report, flags: dict[str, bool] | None) -> None:
     protocol = env.get("AIOTRANSFER_PROTOCOL") or env.get("MOONCAKE_PROTOCOL") or "rdma"
     rep.facts["mooncake_protocol"] = protocol
     if flags is not None:
-        from aiotransfer.engines.mooncake_setup import select_mooncake_setup
+        from aiotransfer.engines._mooncake_setup import select_mooncake_setup
 
         try:
             select_mooncake_setup(
@@ -254,7 +254,7 @@ def _check_transport(rep: Report, flags: dict[str, bool] | None) -> None:
             rep.add("error", "transport", str(exc), "unset MOONCAKE_PROTOCOL, or install the build it names; "
                     "on CPU hosts use TransferConfig(engine='mooncake_tcp')")
     if flags is not None and engine != "mooncake_tcp" and not force_hca:
-        from aiotransfer.engines.mooncake_setup import installed_transport
+        from aiotransfer.engines._mooncake_setup import installed_transport
 
         try:
             exact = installed_transport(protocol, flags, env, bool(devices))
@@ -299,8 +299,8 @@ def _check_nixl(rep: Report) -> None:
         rep.add("error", "nixl", f"nixl ({wheel}) does not import: {res['error']}", _import_fix(res["error"], "nixl"))
         return
     rep.add("ok", "nixl", f"nixl imports ({res['package']}: {wheel}); UCX_TLS={os.environ.get('UCX_TLS', '(default)')}")
-    if not _has_module("aiotransfer.engines.nixl"):
-        rep.add("info", "nixl", "this aiotransfer build has no NIXL adapter (aiotransfer/engines/nixl.py) yet")
+    if not _has_module("aiotransfer.engines._nixl"):
+        rep.add("info", "nixl", "this aiotransfer build has no NIXL adapter (aiotransfer/engines/_nixl.py) yet")
 
 
 def _check_mori(rep: Report) -> None:
@@ -331,7 +331,7 @@ def _cuda_major() -> int | None:
 
 def _check_wheels(rep: Report) -> None:
     """Which Mooncake and NIXL wheels fit this host's CUDA (the extras cannot detect it)."""
-    from aiotransfer.engines.mooncake_setup import recommended_wheels
+    from aiotransfer.engines._mooncake_setup import recommended_wheels
 
     cuda = _cuda_major()
     rep.facts["cuda_major"] = cuda

@@ -11,5 +11,5 @@
 * :mod:`.decode`  -- the decode side's inbound half: status, checksums, aux over TCP
 * :mod:`.leader`  -- the bootstrap leader of a prefill deployment
 
-Nothing here is public; :mod:`aiotransfer.manager` puts the parts together.
+Nothing here is public; :mod:`aiotransfer._manager` puts the parts together.
 """

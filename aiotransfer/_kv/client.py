@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._deadline import Deadline
-from ..control.messages import (
+from .._control.messages import (
     PROTOCOL_VERSION,
     BufferSpec,
     Hello,
@@ -21,9 +20,10 @@ from ..control.messages import (
     TransferRequest,
     pack_indices,
 )
-from ..control.rendezvous import Rendezvous
+from .._control.rendezvous import Rendezvous
+from .._deadline import Deadline
+from .._topology import map_ranks
 from ..errors import IncompatiblePeer, PeerError
-from ..topology import map_ranks
 from .context import RankContext
 from .peers import PrefillPeer, PrefillTopology
 from .probe import port_refuses

@@ -12,24 +12,30 @@ import contextlib
 import logging
 import secrets
 from collections import Counter
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Coroutine, Iterator, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
 
+from .._args import KVArgs
+from .._aux_state import StateType, select_aux_path
+from .._config import AuxPath, TransferConfig, aux_tcp_forced
+from .._control.endpoint import ControlPlane
+from .._control.messages import Message
+from .._convert import PageGeometry, plane_views
 from .._deadline import Deadline
 from .._device import device_initializer
 from .._driver import Driver
+from .._layout import RankGeometry
 from .._liveness import Liveness
+from .._metrics import Metrics
 from .._offload import Offloader
+from .._plan import as_index_array, check_range, check_unique
 from .._poller import Poller
-from ..args import KVArgs
-from ..aux_state import StateType, select_aux_path
-from ..config import AuxPath, TransferConfig, aux_tcp_forced
-from ..control.endpoint import ControlPlane
-from ..control.messages import Message
-from ..convert import PageGeometry, plane_views
-from ..engines.base import MemoryRegion, TransferEngine
+from .._staging import ArenaCopier, HostCopier, StagingArena, host_view, staging_backend
+from .._topology import ParallelInfo
+from .._types import PageIndices
+from ..engines._base import MemoryRegion, TransferEngine
 from ..errors import (
     AiotransferError,
     ClosedError,
@@ -39,11 +45,6 @@ from ..errors import (
     TransferFailed,
     TransferTimeout,
 )
-from ..layout import RankGeometry
-from ..metrics import Metrics
-from ..plan import as_index_array, check_range, check_unique
-from ..staging import ArenaCopier, HostCopier, StagingArena, host_view, staging_backend
-from ..topology import ParallelInfo
 
 __all__ = ["RankContext", "annotate", "engine_failures", "merge_regions", "validate_state_indices"]
 
@@ -229,7 +230,7 @@ def _copier(args: KVArgs, config: TransferConfig, views: list[np.ndarray] | None
 
 
 def validate_state_indices(
-    args: KVArgs, states: Mapping[Any, Sequence[int]], role: str = "send_metadata"
+    args: KVArgs, states: Mapping[Any, PageIndices], role: str = "send_metadata"
 ) -> dict[str, list[int]]:
     """``{kind: indices}`` checked against the registered state buffers, before any byte moves."""
     out: dict[str, list[int]] = {}

@@ -8,13 +8,13 @@ import logging
 from collections.abc import Callable, Mapping
 
 from .. import _trace
-from ..control.messages import Abort, AuxData, Drained, Status
+from .._control.messages import Abort, AuxData, Drained, Status
+from .._integrity import fold, region_crcs
+from .._layout import units_per_page
+from .._plan import units_of
+from .._staging import RowSlice
+from .._status import KVPoll
 from ..errors import AiotransferError
-from ..integrity import fold, region_crcs
-from ..layout import units_per_page
-from ..plan import units_of
-from ..staging import RowSlice
-from ..status import KVPoll
 from .context import RankContext
 from .room import ReceiverRoom
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import logging
 
+from .._control.endpoint import normalize_endpoint
+from .._control.messages import PROTOCOL_VERSION, RankEndpoint, RankRegister, Topology, TopologyQuery
 from .._deadline import Deadline
-from ..control.endpoint import normalize_endpoint
-from ..control.messages import PROTOCOL_VERSION, RankEndpoint, RankRegister, Topology, TopologyQuery
 from ..errors import InvalidArgument
 from .context import RankContext
 

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ..events import PeerEvent
+from .._events import PeerEvent
 from .context import RankContext
 from .probe import port_refuses
 from .room import ReceiverRoom, SenderRoom

@@ -10,10 +10,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable
 
+from .._control.messages import Abort, Drained, Status
 from .._deadline import Deadline
-from ..control.messages import Abort, Drained, Status
+from .._status import KVPoll
 from ..errors import AiotransferError
-from ..status import KVPoll
 from .context import RankContext
 from .peers import DecodePeer
 from .push import Pusher, RoomWrites

@@ -9,8 +9,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..control.messages import BufferSpec, Hello, HelloAck, Topology, TransferRequest
-from ..layout import KVPairing
+from .._control.messages import BufferSpec, Hello, HelloAck, Topology, TransferRequest
+from .._layout import KVPairing
 
 __all__ = ["DecodePeer", "Evicted", "PendingRequests", "PrefillPeer", "PrefillTopology", "Stashed"]
 

@@ -16,9 +16,8 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from .. import _trace
-from .._deadline import Deadline
-from ..aux_state import StateType
-from ..control.messages import (
+from .._aux_state import StateType
+from .._control.messages import (
     PROTOCOL_VERSION,
     Abort,
     Hello,
@@ -27,12 +26,13 @@ from ..control.messages import (
     TransferRequest,
     unpack_indices,
 )
-from ..convert import check_convertible, page_geometry
+from .._convert import check_convertible, page_geometry
+from .._deadline import Deadline
+from .._layout import KVPairing, RankGeometry, pair_buffers
+from .._plan import check_range, check_unique
+from .._status import KVPoll
+from .._topology import head_slice
 from ..errors import AiotransferError, EngineError, InvalidArgument, ProtocolError, TransferTimeout
-from ..layout import KVPairing, RankGeometry, pair_buffers
-from ..plan import check_range, check_unique
-from ..status import KVPoll
-from ..topology import head_slice
 from .context import RankContext
 from .notify import Notifier
 from .peers import DecodePeer, PendingRequests, Stashed

@@ -17,14 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import _trace
+from .._args import Buffer
+from .._config import AuxPath
+from .._control.messages import AuxData
 from .._deadline import Deadline
-from .._poller import WriteGuard
-from ..args import Buffer
-from ..config import AuxPath
-from ..control.messages import AuxData
-from ..errors import ClosedError, EngineError, InvalidArgument, TransferFailed, TransferTimeout
-from ..integrity import RoomChecksum
-from ..plan import (
+from .._integrity import RoomChecksum
+from .._plan import (
     Blocks,
     IndexArray,
     as_index_array,
@@ -37,7 +35,9 @@ from ..plan import (
     plan_head_slices,
     plan_runs,
 )
-from ..staging import RowSlice, choose_staging
+from .._poller import WriteGuard
+from .._staging import RowSlice, choose_staging
+from ..errors import ClosedError, EngineError, InvalidArgument, TransferFailed, TransferTimeout
 from .context import RankContext, annotate, engine_failures
 from .peers import DecodePeer
 from .staged import StagingWriter, piece_pages

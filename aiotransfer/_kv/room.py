@@ -12,13 +12,13 @@ from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from .._status import KVPoll, PollLatch, apply_status
 from ..errors import TransferTimeout
-from ..status import KVPoll, PollLatch, apply_status
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from ..control.messages import TransferRequest
+    from .._control.messages import TransferRequest
     from .peers import DecodePeer
 
 __all__ = ["ReceiverRoom", "RoomSide", "SenderRoom", "StagingRoom", "decode_reason", "left_because", "prefill_reason"]
@@ -117,7 +117,7 @@ class RoomSide:
     """Status, latch, failure reason, waiters and terminal notification of one room on one side.
 
     The room owns its status: every change goes through :meth:`update`, which applies
-    :func:`~aiotransfer.status.apply_status` (Failed wins and sticks, progress is monotone), wakes the
+    :func:`~aiotransfer._status.apply_status` (Failed wins and sticks, progress is monotone), wakes the
     waiters, and on the first terminal status calls ``on_terminal(room_side)`` once."""
 
     def __init__(

@@ -14,7 +14,7 @@ import contextlib
 import logging
 from collections.abc import Sequence
 
-from ..engines.base import MemoryRegion
+from ..engines._base import MemoryRegion
 from ..errors import AiotransferError
 from .context import RankContext
 

@@ -1,6 +1,6 @@
 """The staging protocol, both ends: the writer (prefill) and the grantor (decode).
 
-See :mod:`aiotransfer.staging` for the flow of one piece and the pure parts (arena, gather, scatter, cost
+See :mod:`aiotransfer._staging` for the flow of one piece and the pure parts (arena, gather, scatter, cost
 model). Arena space follows one rule on both sides: it is freed only once nothing can touch it any more.
 A gather or scatter that outlives its deadline keeps its slice until its thread has returned (the
 offloader's ``on_done``); a slice an engine write was posted from is kept until that write landed.
@@ -16,15 +16,15 @@ from typing import Any
 
 import numpy as np
 
+from .._control.messages import Staged, StagedAck, StageGrant, StageRequest
+from .._control.rendezvous import Rendezvous
+from .._convert import gather_tokens, scatter_tokens
 from .._deadline import Deadline
+from .._layout import units_per_page
+from .._plan import Blocks, units_of
 from .._poller import WriteGuard, joint
-from ..control.messages import Staged, StagedAck, StageGrant, StageRequest
-from ..control.rendezvous import Rendezvous
-from ..convert import gather_tokens, scatter_tokens
+from .._staging import RowSlice, StagingArena
 from ..errors import AiotransferError, InvalidArgument, TransferFailed, TransferTimeout
-from ..layout import units_per_page
-from ..plan import Blocks, units_of
-from ..staging import RowSlice, StagingArena
 from .context import RankContext, engine_failures
 from .peers import DecodePeer
 from .room import StagingRoom

@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .._plan import Blocks
 from ..errors import AiotransferError, EngineError
-from ..plan import Blocks
-from .base import EngineBase, EngineStatus, TransferHandle
+from ._base import EngineBase, EngineStatus, TransferHandle
 
 __all__ = [
     "AgentEngine",

@@ -16,10 +16,10 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from ..args import KVArgs
-from ..config import TransferConfig
+from .._args import KVArgs
+from .._config import TransferConfig
+from .._manager import KVManager
 from ..errors import ClosedError, TransferTimeout
-from ..manager import KVManager
 
 __all__ = ["BackgroundManager"]
 

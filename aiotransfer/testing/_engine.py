@@ -18,13 +18,13 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..engines.base import EngineBase, EngineStatus, EngineTraits, MemoryRegion, TransferHandle
+from .._plan import Blocks
+from ..engines._base import EngineBase, EngineStatus, EngineTraits, MemoryRegion, TransferHandle
 from ..errors import EngineError
-from ..plan import Blocks
 from ._fabric import MemoryFabric, Write, current_fabric
 
 if TYPE_CHECKING:
-    from ..config import TransferConfig
+    from .._config import TransferConfig
 
 __all__ = ["MemoryEngine", "engine_from_config"]
 
@@ -36,7 +36,7 @@ class MemoryEngine(EngineBase):
 
     ``TransferConfig(engine="memory")`` creates one on `aiotransfer.testing.current_fabric`; a test
     may also create it directly on a fabric of its own (``MemoryEngine(fabric)``, e.g. as the factory of a
-    name given to `aiotransfer.engines.registry.register_engine`). Host memory only; peers must be
+    name given to `aiotransfer.engines._registry.register_engine`). Host memory only; peers must be
     engines of the same fabric, so of the same process.
     """
 

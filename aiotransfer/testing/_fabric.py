@@ -39,10 +39,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._plan import Blocks
+from ..engines._base import MemoryRegion, TransferEngine, TransferHandle
 from ..engines._common import LoopGate
-from ..engines.base import MemoryRegion, TransferEngine, TransferHandle
 from ..errors import ConfigError, EngineError, TransferTimeout
-from ..plan import Blocks
 
 __all__ = ["MemoryFabric", "Page", "Write", "current_fabric", "default_fabric"]
 

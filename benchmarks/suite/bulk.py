@@ -13,7 +13,7 @@ import numpy as np
 from aiotransfer import InvalidArgument, LoopLagMonitor
 from aiotransfer._cli.raw import RawMooncake, raw_engine
 from aiotransfer._cli.workload import I64, fill_pages
-from aiotransfer.staging import gather_pages, host_view
+from aiotransfer._staging import gather_pages, host_view
 
 from .ceilings import memcpy_ceiling, tcp_ceiling
 from .common import KIB, MIB, gbps, lag_record, median, rep_count, stats_us, timing

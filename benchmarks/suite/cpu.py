@@ -39,7 +39,7 @@ import numpy as np
 
 from aiotransfer._cli.raw import RawEngine, raw_engine
 from aiotransfer._cli.workload import I64, fill_pages
-from aiotransfer.plan import Blocks, as_index_array
+from aiotransfer._plan import Blocks, as_index_array
 
 from .common import TIMEOUT, median
 from .context import Ctx, Flat
@@ -176,7 +176,7 @@ class _Run:
 
 async def _conversion(src: I64, reps: int) -> dict[str, float]:
     """CPU time (median, µs) of the library turning ``send_kv``'s pages into its index array
-    (:func:`~aiotransfer.plan.as_index_array`), given as a Python list and as a NumPy array, on the loop thread
+    (:func:`~aiotransfer._plan.as_index_array`), given as a Python list and as a NumPy array, on the loop thread
     where the library does it."""
     out: dict[str, float] = {}
     for name, pages in (("list", src.tolist()), ("array", src)):

@@ -49,15 +49,15 @@ _RULES: tuple[tuple[str, frozenset[str] | None, str], ...] = (
     ("_poller.py", None, COMPLETION),
     ("_driver.py", None, ROOT),
     ("_offload.py", None, ROOT),
-    ("plan.py", frozenset({"split_blocks"}), POSTING),
-    ("plan.py", None, PLANNING),
-    ("staging.py", None, PLANNING),
-    ("sender.py", _COMPLETION_SENDER, COMPLETION),
-    ("sender.py", None, PLANNING),
-    ("stream.py", None, PLANNING),
+    ("_plan.py", frozenset({"split_blocks"}), POSTING),
+    ("_plan.py", None, PLANNING),
+    ("_staging.py", None, PLANNING),
+    ("_sender.py", _COMPLETION_SENDER, COMPLETION),
+    ("_sender.py", None, PLANNING),
+    ("_stream.py", None, PLANNING),
     ("_kv/push.py", None, PLANNING),
     ("_kv/notify.py", None, COMPLETION),
-    ("control/", None, COMPLETION),
+    ("_control/", None, COMPLETION),
 )
 """(module path under ``aiotransfer/``, function names or None for all, category), first match wins."""
 _NATIVE = ("mooncake", "nixl", "transfer_submit_write", "transfer_check_status", "batch_transfer")

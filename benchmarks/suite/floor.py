@@ -5,9 +5,9 @@ and one message back (``Success``): one ZeroMQ round trip plus one raw write. In
 in blocks, round after round, each round in a new random order, with an idle gap before every repetition
 (``--floor-gap``, 1 ms by default, as in ``e2e``):
 
-* ``zmq``: a :class:`~aiotransfer.control.messages.Ping` from a
-  :class:`~aiotransfer.control.endpoint.ControlPlane` in the decode worker to one in the prefill worker,
-  which answers :class:`~aiotransfer.control.messages.Pong` from its handler (``try_send``); timed on the
+* ``zmq``: a :class:`~aiotransfer._control.messages.Ping` from a
+  :class:`~aiotransfer._control.endpoint.ControlPlane` in the decode worker to one in the prefill worker,
+  which answers :class:`~aiotransfer._control.messages.Pong` from its handler (``try_send``); timed on the
   decode from before the send to the Pong's dispatch. ``zmq_yield``: the same, the answer followed by
   ``sched_yield`` (what ``yield_after_notify`` does after a room's ``Success``);
 * ``raw``: one write of 4 KiB, 64 KiB and 1 MiB through the prefill manager's own native engine, submit
@@ -37,8 +37,8 @@ import numpy as np
 from aiotransfer import _trace
 from aiotransfer._cli.raw import raw_engine
 from aiotransfer._cli.workload import fill_pages
-from aiotransfer.control.endpoint import ControlPlane
-from aiotransfer.control.messages import Message, Ping, Pong
+from aiotransfer._control.endpoint import ControlPlane
+from aiotransfer._control.messages import Message, Ping, Pong
 
 from .common import KIB, MIB
 from .context import Ctx

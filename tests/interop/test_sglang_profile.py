@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from aiotransfer import IncompatiblePeer, KVArgs, KVManager, KVPoll, TransferConfig
-from aiotransfer.topology import held_heads
+from aiotransfer._topology import held_heads
 from tests.interop import (
     BASELINE_AUX,
     BASELINE_GEOMETRY,

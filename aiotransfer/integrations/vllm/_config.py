@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...config import TransferConfig
+from ..._config import TransferConfig
 from ...errors import ConfigError, InvalidArgument
 
 __all__ = ["CacheGroups", "ConnectorConfig", "RemotePrefill", "check_endpoint", "check_room", "concurrent_params",
@@ -178,7 +178,7 @@ def check_endpoint(endpoint: object) -> str:
     """A prefill worker's control address from ``kv_transfer_params``: ``tcp://host:port``, port 1..65535.
 
     Raises :class:`InvalidArgument` naming what is wrong. Anything that passes is an address the decode's
-    manager accepts (:func:`~aiotransfer.control.endpoint.normalize_endpoint`), so a request is refused
+    manager accepts (:func:`~aiotransfer._control.endpoint.normalize_endpoint`), so a request is refused
     here, before it is scheduled, rather than failing when its room opens."""
     what = f"kv_transfer_params: {KEY_ENDPOINT}={reprlib.repr(endpoint)}"
     hint = "expected tcp://host:port with a port in 1..65535, as AiotransferConnector makes them"

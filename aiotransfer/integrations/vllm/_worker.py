@@ -20,11 +20,11 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
-from ...args import KVArgs
+from ..._args import KVArgs
+from ..._manager import KVManager
+from ..._receiver import KVReceiver
+from ..._sender import KVSender
 from ...errors import AiotransferError, TransferTimeout
-from ...manager import KVManager
-from ...receiver import KVReceiver
-from ...sender import KVSender
 from .._sync import BackgroundManager
 from ._config import FORGONE, STATE_KIND, ConnectorConfig
 from ._layers import ChunkFeed, ForwardPass, device_event

@@ -18,7 +18,7 @@ ENV_PREFIX = "AIOTRANSFER_"
 
 
 class AuxPath(str, enum.Enum):
-    """Which path ``send_aux`` uses (see :func:`aiotransfer.aux_state.select_aux_path`)."""
+    """Which path ``send_aux`` uses (see :func:`aiotransfer._aux_state.select_aux_path`)."""
 
     AUTO = "auto"
     ENGINE = "engine"
@@ -102,7 +102,7 @@ class TransferConfig:
     max_message_bytes: int = 16 * 1024 * 1024
     """Largest control message accepted, all its frames together: a bigger one is discarded while it is read,
     before it is assembled (see docs/security.md for what ZeroMQ itself buffers). Sized from the largest
-    message a peer sends within the per-field bounds of ``aiotransfer.control.messages``: a transfer
+    message a peer sends within the per-field bounds of ``aiotransfer._control.messages``: a transfer
     request for a room of ``MAX_ROOM_PAGES`` (1 Mi) pages is 4 MiB of page indices, plus up to 5 MiB for each
     state kind indexed by page (at most 5 bytes per index), 14 MiB with two such kinds; a registration
     (``Hello``) with every buffer list at ``MAX_BUFFERS`` is about 0.7 MiB plus its engine info (at most

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import re
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 __all__ = ["BUCKETS", "Histogram", "Metrics", "PrometheusExporter", "failure_category"]
@@ -103,7 +104,7 @@ class _Observed(Protocol):
     @property
     def metrics(self) -> Metrics: ...
 
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> Mapping[str, Any]: ...
 
 
 class PrometheusExporter:

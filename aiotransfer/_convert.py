@@ -33,9 +33,9 @@ import numpy as np
 import numpy.typing as npt
 from numpy.lib.stride_tricks import as_strided
 
+from ._layout import KVLayout
+from ._plan import IndexArray, as_index_array, check_range
 from .errors import InvalidArgument
-from .layout import KVLayout
-from .plan import IndexArray, as_index_array, check_range
 
 __all__ = [
     "HeadOrder",
@@ -71,7 +71,7 @@ class HeadOrder(str, enum.Enum):
 class PageGeometry:
     """How one rank pages its KV cache.
 
-    ``layout`` is a :class:`~aiotransfer.layout.KVLayout` value and ``head_order`` a :class:`HeadOrder`
+    ``layout`` is a :class:`~aiotransfer._layout.KVLayout` value and ``head_order`` a :class:`HeadOrder`
     value (enum members or their strings; stored as strings). ``head_bytes`` is the size of one head of one
     token (``head_dim x`` element size; the latent size for MLA).
     """

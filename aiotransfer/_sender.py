@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from . import _trace
+from ._control.messages import TransferRequest
 from ._deadline import DEFAULT, Deadline, Default, seconds, within
 from ._device import check_ready, wait_device_work
 from ._kv.context import RankContext, annotate, validate_state_indices
@@ -20,11 +21,11 @@ from ._kv.notify import Notifier
 from ._kv.peers import DecodePeer
 from ._kv.push import Pusher, RoomWrites
 from ._kv.room import RoomSide, prefill_reason
-from .control.messages import TransferRequest
+from ._plan import as_index_array, check_range, unit_span
+from ._status import KVPoll
+from ._stream import KVStream
+from ._types import DeviceWork, PageIndices
 from .errors import InvalidArgument, PeerError, TransferFailed, TransferTimeout
-from .plan import as_index_array, check_range, unit_span
-from .status import KVPoll
-from .stream import KVStream
 
 __all__ = ["KVSender"]
 
@@ -327,7 +328,7 @@ class KVSender(RoomSide):
             raise
         self._raise_if_failed()
 
-    async def send_kv(self, indices: Any, last: bool = True, *, ready: Any = None,
+    async def send_kv(self, indices: PageIndices, last: bool = True, *, ready: DeviceWork | None = None,
                       timeout: float | Default = DEFAULT) -> None:
         """Send the pages ``indices`` (local page indices) as the next chunk.
 
@@ -435,7 +436,7 @@ class KVSender(RoomSide):
             self._last_reserved = True
         return src, start
 
-    def stream(self, indices: Any, *, last: bool = True) -> KVStream:
+    def stream(self, indices: PageIndices, *, last: bool = True) -> KVStream:
         """Open the pages ``indices`` as the next chunk, to be sent layer by layer with
         [`KVStream.send_layers`][aiotransfer.KVStream.send_layers] as the forward pass writes each layer.
         Chunks and layers compose: chunk after chunk, each streamed or sent whole with
@@ -623,7 +624,7 @@ class KVSender(RoomSide):
         finally:
             give_back()
 
-    async def send_state(self, states: Mapping[str, Any], *, ready: Any = None,
+    async def send_state(self, states: Mapping[str, PageIndices], *, ready: DeviceWork | None = None,
                          timeout: float | Default = DEFAULT) -> None:
         """Send per-request state.
 

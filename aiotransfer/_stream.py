@@ -7,6 +7,7 @@ from typing import Any
 
 from ._deadline import DEFAULT, Default, seconds
 from ._device import check_ready
+from ._types import DeviceWork
 from .errors import InvalidArgument
 
 __all__ = ["KVStream"]
@@ -57,7 +58,7 @@ class KVStream:
         """Every layer has been sent."""
         return not self._left
 
-    async def send_layers(self, layers: int | Iterable[int], *, ready: Any = None,
+    async def send_layers(self, layers: int | Iterable[int], *, ready: DeviceWork | None = None,
                           timeout: float | Default = DEFAULT) -> None:
         """Send some layers of this chunk.
 

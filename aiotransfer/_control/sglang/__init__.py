@@ -1,6 +1,6 @@
 """SGLang 0.5.x wire profile (``TransferConfig(wire="sglang-mooncake")``).
 
-A control plane with the same interface as :class:`~aiotransfer.control.endpoint.ControlPlane` that speaks
+A control plane with the same interface as :class:`~aiotransfer._control.endpoint.ControlPlane` that speaks
 SGLang's Mooncake-backend protocol instead of ours (the frame-by-frame contract is ``docs/sglang-wire.md``).
 It translates at the boundary, so the manager, senders and receivers stay protocol-agnostic:
 

@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .control.messages import MAX_BUFFERS, MAX_STATE_KINDS
-from .convert import PageGeometry, page_geometry
+from ._control.messages import MAX_BUFFERS, MAX_STATE_KINDS
+from ._convert import PageGeometry, page_geometry
 from .errors import InvalidArgument
 
 __all__ = ["Buffer", "KVArgs", "resolve_buffer"]

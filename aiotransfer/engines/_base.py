@@ -40,8 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from .._plan import Blocks
 from ..errors import EngineError
-from ..plan import Blocks
 
 __all__ = [
     "EngineBase",

@@ -15,8 +15,8 @@ from typing import Annotated
 import msgspec
 import numpy as np
 
+from .._plan import bounds
 from ..errors import ProtocolError
-from ..plan import bounds
 
 __all__ = [
     "PROTOCOL_VERSION",

@@ -64,13 +64,13 @@ from typing import Any
 
 import numpy as np
 
-from ..config import TransferConfig
+from .._config import TransferConfig
+from .._plan import Blocks
 from ..errors import ConfigError, EngineError, EngineUnavailable
-from ..plan import Blocks
+from ._base import EngineBase, EngineStatus, EngineTraits, MemoryRegion, TransferHandle
 from ._common import LoopGate
-from .base import EngineBase, EngineStatus, EngineTraits, MemoryRegion, TransferHandle
-from .mooncake_preflight import fetch_descriptor
-from .mooncake_setup import (
+from ._mooncake_preflight import fetch_descriptor
+from ._mooncake_setup import (
     MOONCAKE_PROTOCOLS,
     REFRESH_ENV,
     MooncakeSetup,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from .config import AuxPath
+from ._config import AuxPath
 from .errors import ConfigError
 
 __all__ = ["MemPool", "StateType", "alloc_metadata_buffer", "metadata_device", "select_aux_path"]

@@ -51,11 +51,11 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from ..config import TransferConfig
+from .._config import TransferConfig
+from .._plan import Blocks
 from ..errors import ClosedError, EngineError, EngineUnavailable
-from ..plan import Blocks
+from ._base import EngineStatus, EngineTraits, MemoryRegion, TransferHandle
 from ._common import AgentEngine, RegionIndex, block_arrays, map_errors, quietly, vendor_error
-from .base import EngineStatus, EngineTraits, MemoryRegion, TransferHandle
 
 __all__ = ["MoriEngine"]
 

@@ -14,23 +14,10 @@ from typing import Any, cast
 import numpy as np
 
 from . import _threads
-from ._kv import shutdown, upkeep
-from ._kv.client import PrefillClient
-from ._kv.context import RankContext
-from ._kv.decode import DecodeSide
-from ._kv.leader import BootstrapLeader
-from ._kv.lifecycle import Lifecycle
-from ._kv.notify import Notifier
-from ._kv.prefill import PrefillSide
-from ._kv.push import Pusher, TransferPlan
-from ._kv.room import RoomSide
-from ._kv.staged import StagingGrantor
-from ._liveness import Liveness
-from ._poller import Poller
-from .args import KVArgs
-from .config import AuxPath, TransferConfig
-from .control.endpoint import ControlPlane, normalize_endpoint
-from .control.messages import (
+from ._args import KVArgs
+from ._config import AuxPath, TransferConfig
+from ._control.endpoint import ControlPlane, normalize_endpoint
+from ._control.messages import (
     PROTOCOL_VERSION,
     Abort,
     AuxData,
@@ -50,16 +37,30 @@ from .control.messages import (
     TopologyQuery,
     TransferRequest,
 )
-from .control.rendezvous import Rendezvous
-from .engines.base import TransferEngine
-from .engines.registry import create_engine
+from ._control.rendezvous import Rendezvous
+from ._events import PeerEvent, PeerEvents
+from ._kv import shutdown, upkeep
+from ._kv.client import PrefillClient
+from ._kv.context import RankContext
+from ._kv.decode import DecodeSide
+from ._kv.leader import BootstrapLeader
+from ._kv.lifecycle import Lifecycle
+from ._kv.notify import Notifier
+from ._kv.prefill import PrefillSide
+from ._kv.push import Pusher, TransferPlan
+from ._kv.room import RoomSide
+from ._kv.staged import StagingGrantor
+from ._liveness import Liveness
+from ._metrics import Metrics
+from ._poller import Poller
+from ._receiver import KVReceiver, decode_reason
+from ._sender import KVSender
+from ._status import KVPoll
+from ._topology import ParallelInfo
+from ._types import ManagerStats, PageIndices
+from .engines._base import TransferEngine
+from .engines._registry import create_engine
 from .errors import AiotransferError, ClosedError, InvalidArgument
-from .events import PeerEvent, PeerEvents
-from .metrics import Metrics
-from .receiver import KVReceiver, decode_reason
-from .sender import KVSender
-from .status import KVPoll
-from .topology import ParallelInfo
 
 __all__ = ["KVManager"]
 
@@ -239,7 +240,7 @@ class KVManager:
     def _make_control_plane(self) -> ControlPlane:
         cfg, a, ctx = self.config, self.args, self._ctx
         if cfg.wire == "sglang-mooncake":
-            from .control.sglang import SglangControlPlane, SglangIdentity
+            from ._control.sglang import SglangControlPlane, SglangIdentity
 
             identity = SglangIdentity(
                 host=cfg.hostname, tp_size=a.tp_size, tp_rank=a.tp_rank, pp_size=a.pp_size, pp_rank=a.pp_rank,
@@ -296,13 +297,13 @@ class KVManager:
             info.update(self._ctx.engine_or_none.describe())
         return info
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> ManagerStats:
         """Counters: rooms, bytes, dropped control messages by cause, engine handles in flight."""
         ctx = self._ctx
         open_pages = sum(t.num_pages or 0 for t in self._senders.values()) + sum(
             int(r.pages.size) for r in self._receivers.values() if r.pages is not None)
         c, p, arena = ctx.control_or_none, ctx.poller_or_none, ctx.arena
-        return {
+        return cast("ManagerStats", {
             "senders_active": len(self._senders),
             "receivers_active": len(self._receivers),
             "pending_requests": len(self._prefill.pending),
@@ -326,7 +327,7 @@ class KVManager:
             **self._life.stats(sum(b.item_len for b in self.args.kv), open_pages),
             **dict(ctx.counters),
             **ctx.metrics.snapshot(),
-        }
+        })
 
     def __repr__(self) -> str:
         ctx = self._ctx
@@ -415,7 +416,7 @@ class KVManager:
         self._receivers[room] = rx
         return rx
 
-    def plan_transfer(self, decode_endpoint: str, src_pages: Any, dst_pages: Any, *,
+    def plan_transfer(self, decode_endpoint: str, src_pages: PageIndices, dst_pages: PageIndices, *,
                       staging: bool | None = None) -> TransferPlan:
         """The plan ``send_kv`` would make: direct engine entries or staged pieces. Nothing moves. For
         tools and the curious.

@@ -1,4 +1,4 @@
-"""The SGLang control plane: a :class:`~aiotransfer.control.endpoint.ControlPlane` speaking SGLang's frames.
+"""The SGLang control plane: a :class:`~aiotransfer._control.endpoint.ControlPlane` speaking SGLang's frames.
 
 It translates at the boundary (see the package docstring): outbound messages through the codec
 (:mod:`._frames`) or the bootstrap HTTP client (:mod:`._bootstrap`), inbound frames through the codec,

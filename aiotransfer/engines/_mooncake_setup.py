@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import TransferConfig
+from .._config import TransferConfig
 from ..errors import ConfigError
 
 __all__ = [

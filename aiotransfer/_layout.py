@@ -22,7 +22,7 @@ sides are then seen as *units* of ``g = min(P, D)`` tokens, ``P / g`` per source
 destination page, and every plan works on units as it would on pages (runs of units coalesce across page
 boundaries). Page-first and head-major pages do not hold a token's rows together, so :func:`pair_buffers`
 refuses a page-size difference between them; the prefill converts such peers as a token stream instead
-(:mod:`aiotransfer.convert`).
+(:mod:`aiotransfer._convert`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .topology import HeadSlice, head_slice
+from ._topology import HeadSlice, head_slice
 
 __all__ = ["KVLayout", "KVPairing", "RankGeometry", "pair_buffers", "units_per_page"]
 

@@ -63,12 +63,12 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from ..config import TransferConfig
+from .._config import TransferConfig
+from .._plan import Blocks
 from ..errors import ClosedError, EngineError, EngineUnavailable
-from ..plan import Blocks
+from ._base import EngineStatus, EngineTraits, MemoryRegion, TransferHandle
 from ._common import AgentEngine, RegionIndex, block_arrays, map_errors, quietly
 from ._nixl_lists import MIN_ENTRIES, PreparedLists
-from .base import EngineStatus, EngineTraits, MemoryRegion, TransferHandle
 
 __all__ = ["NixlEngine", "nixl_env_defaults"]
 

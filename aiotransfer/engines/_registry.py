@@ -10,16 +10,16 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
-    from ..config import TransferConfig
-    from .base import TransferEngine
+    from .._config import TransferConfig
+    from ._base import TransferEngine
 
 __all__ = ["available_engines", "create_engine", "register_engine"]
 
 _ENGINES: dict[str, str] = {
-    "mooncake": "aiotransfer.engines.mooncake:MooncakeEngine",
-    "mooncake_tcp": "aiotransfer.engines.mooncake:MooncakeEngine",
-    "nixl": "aiotransfer.engines.nixl:NixlEngine",
-    "mori": "aiotransfer.engines.mori:MoriEngine",
+    "mooncake": "aiotransfer.engines._mooncake:MooncakeEngine",
+    "mooncake_tcp": "aiotransfer.engines._mooncake:MooncakeEngine",
+    "nixl": "aiotransfer.engines._nixl:NixlEngine",
+    "mori": "aiotransfer.engines._mori:MoriEngine",
     "memory": "aiotransfer.testing._engine:engine_from_config",
 }
 """Engines that ship with aiotransfer. ``memory`` is for tests (:mod:`aiotransfer.testing`): it copies between
@@ -66,5 +66,5 @@ def _check_contract(name: str, engine: Any) -> None:
         engine.close()
     raise ConfigError(
         f"engine {name!r} ({type(engine).__qualname__}) lacks {', '.join(missing)}: inherit "
-        "aiotransfer.engines.base.EngineBase for their defaults, or declare them (docs: Writing an engine)"
+        "aiotransfer.engines.EngineBase for their defaults, or declare them (docs: Writing an engine)"
     )

@@ -4,23 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping
 
 import msgspec
 import numpy as np
 
 from . import _trace
+from ._control.messages import MAX_ROOM_PAGES
 from ._deadline import DEFAULT, Deadline, Default, seconds
 from ._kv.client import PrefillClient, Route
 from ._kv.context import RankContext, annotate, validate_state_indices
 from ._kv.ledger import Ledger
 from ._kv.notify import Notifier
 from ._kv.room import RoomSide, decode_reason
-from .control.messages import MAX_ROOM_PAGES
+from ._plan import as_index_array, bounds, check_range, check_unique
+from ._status import KVPoll
+from ._types import PageIndices
 from .errors import AiotransferError, InvalidArgument, PeerError, TransferFailed, TransferTimeout
-from .plan import as_index_array, bounds, check_range, check_unique
-from .status import KVPoll
 
 __all__ = ["KVReceiver", "decode_reason"]
 
@@ -105,9 +105,9 @@ class KVReceiver(RoomSide):
     # -- public API -----------------------------------------------------------------------------
     async def send_metadata(
         self,
-        kv_indices: Any,
+        kv_indices: PageIndices,
         aux_index: int | None = None,
-        state_indices: Mapping[str, Sequence[int]] | None = None,
+        state_indices: Mapping[str, PageIndices] | None = None,
         *,
         num_tokens: int | None = None,
         timeout: float | Default = DEFAULT,

@@ -12,7 +12,7 @@ import zlib
 
 import numpy as np
 
-from .staging import RowSlice, _page_view
+from ._staging import RowSlice, _page_view
 
 __all__ = ["RoomChecksum", "region_crcs", "fold"]
 

@@ -117,7 +117,7 @@ def alloc_metadata_buffer(
         item_shape: The shape of one slot.
         dtype: A torch dtype.
         pool: The engine's custom memory pool, as for
-            [`select_aux_path`][aiotransfer.aux_state.select_aux_path].
+            `select_aux_path`.
         device_id: The CUDA device for ``INTRA_NODE_NVLINK``.
 
     Returns:

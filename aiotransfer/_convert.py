@@ -406,14 +406,14 @@ def gather_tokens(
     """Copy tokens ``[t0, t1)``, heads ``[head_start, head_start + head_count)``, of every plane into ``out``.
 
     Args:
-        planes: Canonical plane views ([`plane_views`][aiotransfer.convert.plane_views]).
+        planes: Canonical plane views (`plane_views`).
         pages: The room's page list (token ``t`` in ``pages[t // page_size]``).
         page_size: Tokens per page.
         t0: First token.
         t1: End token (excluded).
         head_start: First head.
         head_count: Heads to copy.
-        out: A contiguous uint8 array of [`stream_nbytes`][aiotransfer.convert.stream_nbytes] bytes,
+        out: A contiguous uint8 array of `stream_nbytes` bytes,
             filled ``(plane, token, head, byte)``.
 
     Raises:
@@ -468,10 +468,10 @@ def scatter_tokens(
         t1: End token (excluded).
         head_start: First head.
         head_count: Heads to write.
-        src: The stream, as [`gather_tokens`][aiotransfer.convert.gather_tokens] fills it.
+        src: The stream, as `gather_tokens` fills it.
 
     Raises:
-        InvalidArgument: As for [`gather_tokens`][aiotransfer.convert.gather_tokens].
+        InvalidArgument: As for `gather_tokens`.
     """
     span, stream = _prepare(planes, pages, page_size, t0, t1, head_start, head_count, src, gather=False)
     hs, he = head_start, head_start + head_count

@@ -584,7 +584,7 @@ class KVSender(RoomSide):
         """Send local aux slot ``aux_index`` into the slot each decode rank declared.
 
         The path (engine or TCP control channel) follows
-        [`select_aux_path`][aiotransfer.aux_state.select_aux_path]; on the ``auto`` path an engine failure
+        `select_aux_path`; on the ``auto`` path an engine failure
         falls back to TCP within the same ``timeout``. Aux always lands before Success is sent.
 
         Args:

@@ -5,7 +5,7 @@
 * :func:`vendor_error`       -- ``"nixlNotFoundError: NIXL_ERR_NOT_FOUND"`` from a vendor exception
 * :func:`quietly`            -- call a cleanup function, log (never raise) its failure
 * :class:`RegionIndex`       -- registered regions by address: absolute address -> (region, offset), in bulk
-* :func:`block_arrays`       -- a :class:`~aiotransfer.plan.Blocks` batch as contiguous ``uint64`` arrays
+* :func:`block_arrays`       -- a :class:`~aiotransfer.engines.Blocks` batch as contiguous ``uint64`` arrays
 * :class:`AgentEngine`       -- base of adapters with one native agent, a lock, peers and live handles:
                                 their ``__repr__``
 * :class:`LoopGate`          -- keeps the event loop off an engine lock that a handshake may hold

@@ -2,7 +2,7 @@
 
 Install: ``pip install aiotransfer[mooncake-cpu]`` (``mooncake-transfer-engine-non-cuda``) on hosts without
 an NVIDIA driver, ``aiotransfer[mooncake]`` (``mooncake-transfer-engine``) on CUDA 12 hosts,
-``aiotransfer[mooncake-cuda13]`` on CUDA 13 hosts (:func:`~aiotransfer.engines.mooncake_setup.recommended_wheels`).
+``aiotransfer[mooncake-cuda13]`` on CUDA 13 hosts (:func:`~aiotransfer.engines.recommended_wheels`).
 The wheels are mutually exclusive (same ``mooncake`` package); the CUDA ones fail to import without
 ``libcuda.so.1``.
 
@@ -35,7 +35,7 @@ The native engine is shared by every manager in the process under a reference co
 share it between PD transfer and KV offloading); each adapter owns only its own registrations.
 
 Protocol selection happens in one place, :func:`select_mooncake_setup` (pure, in
-:mod:`aiotransfer.engines.mooncake_setup`, re-exported here): config ``protocol``, then
+:mod:`aiotransfer.engines._mooncake_setup`, re-exported here): config ``protocol``, then
 ``$MOONCAKE_PROTOCOL``, then ``"rdma"``; engine ``mooncake_tcp`` means ``tcp``. Mooncake's ``protocol``
 argument does not select the transport in most builds (it picks a memory allocator; the transport comes
 from the build, ``MC_FORCE_TCP``/``MC_FORCE_MNNVL``/``MC_INTRANODE_NVLINK`` and topology discovery), so

@@ -6,7 +6,7 @@
 * :func:`read_build_flags`       -- the ``SUPPORT_*`` flags of a loaded ``mooncake.engine`` module
 * :func:`recommended_wheels`     -- which Mooncake and NIXL wheels fit a host's CUDA major version
 
-The adapter (:mod:`aiotransfer.engines.mooncake`) applies the outcome; the doctor command and the tests
+The adapter (:mod:`aiotransfer.engines._mooncake`) applies the outcome; the doctor command and the tests
 use these functions directly.
 """
 

@@ -23,7 +23,7 @@ method                 blocks?                             GIL released  thread-
 Addressing: MORI names memory as (``MemoryDesc``, offset), not by address. ``local_info()`` therefore
 carries the packed ``EngineDesc`` *and* the packed ``MemoryDesc`` of every registered region (msgpack
 envelope; it is built when the Hello is, after registration, so memory registered later is unknown to
-peers). ``submit_write`` maps each absolute address in :class:`~aiotransfer.plan.Blocks` to (region,
+peers). ``submit_write`` maps each absolute address in :class:`~aiotransfer.engines.Blocks` to (region,
 offset) on both sides and groups entries by (local region, remote region) pair.
 
 Each pair is posted with its own ``batch_write`` call: MORI's multi-session call stops at the first pair

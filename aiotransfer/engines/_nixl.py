@@ -31,7 +31,7 @@ equal entries on their length's boundaries, from lists prepared once: :mod:`._ni
 ``initialize_xfer``, then ``transfer`` and ``check_xfer_state``; only DONE is terminal (see :meth:`NixlEngine.check` and docs/engines.md): the
 native xfer handle is released when DONE is seen, or, for a write NIXL answered ERR or raised for, only
 when the release quarantine has passed (:meth:`NixlEngine.abandon`). A
-:class:`~aiotransfer.engines.base.TransferHandle` is never queried twice. Handles that fail to release
+:class:`~aiotransfer.engines.TransferHandle` is never queried twice. Handles that fail to release
 are kept in a ledger, retried at :meth:`NixlEngine.close` and logged.
 
 ``local_info()`` is a small envelope (msgpack): the agent metadata plus the table of registered

@@ -10,7 +10,7 @@ row per region (``address, L, device, L, count``: NIXL expands it) where the ins
 row by row up to :data:`MAX_DENSE_ROWS`; beyond that, or for entries of mixed lengths, writes build their
 lists as before.
 
-The owner (:class:`~aiotransfer.engines.nixl.NixlEngine`) calls everything here under its agent lock, and only
+The owner (:class:`~aiotransfer.engines._nixl.NixlEngine`) calls everything here under its agent lock, and only
 its driver thread prepares (preparing a large list takes milliseconds). Prepared lists are released at the
 owner's close, never earlier: a made transfer may still refer to them.
 """

@@ -6,7 +6,6 @@ import asyncio
 import functools
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,48 +15,19 @@ from ._control.messages import TransferRequest
 from ._deadline import DEFAULT, Deadline, Default, seconds, within
 from ._device import check_ready, wait_device_work
 from ._kv.context import RankContext, annotate, validate_state_indices
+from ._kv.dsts import Dst, room_size
 from ._kv.ledger import Ledger
 from ._kv.notify import Notifier
 from ._kv.peers import DecodePeer
 from ._kv.push import Pusher, RoomWrites
 from ._kv.room import RoomSide, prefill_reason
-from ._plan import as_index_array, check_range, unit_span
+from ._plan import as_index_array, check_range
 from ._status import KVPoll
 from ._stream import KVStream
 from ._types import DeviceWork, PageIndices
 from .errors import InvalidArgument, PeerError, TransferFailed, TransferTimeout
 
 __all__ = ["KVSender"]
-
-
-@dataclass
-class _Dst:
-    """One decode rank this room sends to."""
-
-    peer: DecodePeer
-    request: TransferRequest
-    kv_indices: np.ndarray
-    units: int = 0
-    """The room's tokens in units of the pairing (its pages, when both page sizes match)."""
-
-    @property
-    def is_dummy(self) -> bool:
-        return self.request.is_dummy
-
-    def span(self, src: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray, int]:
-        """(our units, the decode's units, first unit) of the chunk of pages ``src`` starting at ``start``."""
-        pairing = self.peer.pairing
-        return unit_span(src, self.kv_indices, start, pairing.src_units, pairing.dst_units, self.units)
-
-
-def _room_size(page_size: int, peer: DecodePeer, req: TransferRequest, kv_indices: np.ndarray) -> tuple[int, int] | str:
-    """(our pages the room needs, its units) from a decode rank's declaration, or why it does not add up."""
-    theirs = peer.hello.page_size
-    tokens = req.num_tokens if req.num_tokens >= 0 else int(kv_indices.size) * theirs
-    if -(-tokens // theirs) != kv_indices.size:
-        return f"decode declares {tokens} tokens in {kv_indices.size} pages of {theirs}"
-    unit = page_size // peer.pairing.src_units
-    return -(-tokens // page_size), -(-tokens // unit)
 
 
 class KVSender(RoomSide):
@@ -87,7 +57,7 @@ class KVSender(RoomSide):
         self._ctx = ctx
         self._pusher = pusher
         self._notifier = notifier
-        self._dsts: dict[str, _Dst] = {}
+        self._dsts: dict[str, Dst] = {}
         self._required: int | None = None
         self._num_dst_pages: int | None = None
         self._cursor = 0
@@ -247,7 +217,7 @@ class KVSender(RoomSide):
                     f"a further request from {peer.endpoint} is refused")
         units = 0
         if not req.is_dummy:
-            size = _room_size(self._ctx.args.page_size, peer, req, kv_indices)
+            size = room_size(self._ctx.args.page_size, peer, req, kv_indices)
             if isinstance(size, str):
                 return size
             pages, units = size
@@ -255,7 +225,7 @@ class KVSender(RoomSide):
                 self._num_dst_pages = pages
             elif pages != self._num_dst_pages:
                 return f"decode ranks disagree on the room's size ({pages} vs {self._num_dst_pages} of our pages)"
-        self._dsts[peer.endpoint] = _Dst(peer, req, kv_indices, units)
+        self._dsts[peer.endpoint] = Dst(peer, req, kv_indices, units)
         if len(self._dsts) >= self._required:
             if self._num_dst_pages is None:
                 self._num_dst_pages = 0
@@ -283,7 +253,7 @@ class KVSender(RoomSide):
         """Every decode rank that spoke for this room marked this rank a dummy."""
         return bool(self._dsts) and all(d.is_dummy for d in self._dsts.values())
 
-    def _real_dsts(self) -> list[_Dst]:
+    def _real_dsts(self) -> list[Dst]:
         return [d for d in self._dsts.values() if not d.is_dummy]
 
     @property

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiotransfer import ConfigError, KVArgs, KVManager, PeerError, TransferConfig
+from aiotransfer import ConfigError, KVArgs, KVManager, PeerError, TransferConfig, TransferTimeout
 from aiotransfer._control.endpoint import ControlPlane, signed_frames
 from aiotransfer._control.messages import Ping, encode
 from tests.peer import make_buffers
@@ -171,7 +171,9 @@ async def test_a_manager_without_curve_cannot_register_with_one_that_has_it() ->
     key and the default cannot talk until curve is turned off on the new side."""
     async with _manager() as (pre, _), _manager(None, control_curve=False, handshake_timeout=1.0) as (dec, _):
         rx = dec.receiver(1, pre.endpoint)
-        with pytest.raises(PeerError, match="registration"):
+        # the registration is refused, or (on a loaded host, when the bound runs out first) the query that
+        # precedes it is never taken by the peer: either way they cannot talk
+        with pytest.raises((PeerError, TransferTimeout), match=r"registration|not accepted"):
             await rx.send_metadata([3], timeout=2)
 
 

@@ -36,6 +36,18 @@ def test_examples_exist() -> None:
     assert "explore_transfer.ipynb" in NOTEBOOKS
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_example_imports_only_public_modules(script: str) -> None:
+    """What the examples show a user can write: no import reaches an underscore module."""
+    tree = ast.parse((EXAMPLES / script).read_text())
+    for node in ast.walk(tree):
+        names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
+            [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        for name in names:
+            if name.startswith("aiotransfer"):
+                assert not any(p.startswith("_") for p in name.split(".")), f"{script} imports {name}"
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_example_script_exits_0(script: str) -> None:
@@ -148,6 +160,8 @@ def test_doc_snippet_compiles_and_imports_real_names(doc: str, line: int, code: 
         pytest.fail(f"{doc}, block at line {line}: {exc}")
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("aiotransfer"):
+            assert not any(p.startswith("_") for p in (node.module or "").split(".")), (
+                f"{doc}:{line}: the docs import from the public modules only, not {node.module}")
             module = importlib.import_module(node.module or "")
             for alias in node.names:
                 assert hasattr(module, alias.name), f"{doc}:{line}: {node.module} has no {alias.name}"

@@ -60,6 +60,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from itertools import repeat, takewhile
 from typing import Any
 
 import numpy as np
@@ -562,17 +563,16 @@ class MooncakeEngine(EngineBase):
         run, after which the batch can never be asked again; see docs/engines.md). An entry the engine
         refuses after others were posted dooms the handle, which ends once those are over."""
         submit = self._shared.native.transfer_submit_write
-        ids: list[int] = []
-        handle = TransferHandle(token=_Entries(ids), peer=peer, entries=len(blocks), nbytes=blocks.nbytes)
-        for src, dst, length in zip(blocks.src.tolist(), blocks.dst.tolist(), blocks.length.tolist(), strict=True):
-            bid = submit(name, src, dst, length)
-            if not bid:
-                refused = f"Mooncake refused entry {len(ids)} of a {len(blocks)}-entry write to {peer} (peer unreachable)"
-                if not ids:
-                    raise EngineError(refused)
-                handle.doom(refused)
-                break
-            ids.append(bid)
+        n = len(blocks)
+        # one native call per entry, looped in C; the first refusal (0) ends the posting
+        posted = map(submit, repeat(name, n), blocks.src.tolist(), blocks.dst.tolist(), blocks.length.tolist())
+        ids = list(takewhile(bool, posted))
+        handle = TransferHandle(token=_Entries(ids), peer=peer, entries=n, nbytes=blocks.nbytes)
+        if len(ids) < n:
+            refused = f"Mooncake refused entry {len(ids)} of a {n}-entry write to {peer} (peer unreachable)"
+            if not ids:
+                raise EngineError(refused)
+            handle.doom(refused)
         return handle
 
     def check(self, handle: TransferHandle) -> EngineStatus:

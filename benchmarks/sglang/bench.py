@@ -70,7 +70,7 @@ SRC_POOL_BYTES = 256 * MIB
 SETTLE = 0.02
 """Seconds between the decode's wait command and the prefill's send (the decode is waiting by then)."""
 P99_MIN_SAMPLES = 50
-TARGETS = (("4K", "one", 5.0), ("8M", "one", 2.5), ("32M", "at_once", 1.2))
+TARGETS = (("4K", "one", 2.0), ("8M", "one", 1.5), ("32M", "at_once", 1.2))
 """(size, mode, ratio): the room latency ratio SGLang/aiotransfer (one at a time), or the aggregate
 GB/s ratio aiotransfer/SGLang (at once), that the comparison aims at."""
 
@@ -383,12 +383,12 @@ def table(res: dict[str, Any]) -> str:
     rows = [
         (
             "size",
-            "mode",
-            "SGLang ms p50/p99",
-            "aiotransfer ms p50/p99",
+            "rooms",
+            "SGLang ms",
+            "aiotransfer ms",
             "ratio",
             "SGLang GB/s",
-            "aiotransfer GB/s",
+            "aio GB/s",
             "ratio",
         )
     ]
@@ -397,7 +397,7 @@ def table(res: dict[str, Any]) -> str:
         rows.append(
             (
                 size,
-                "one at a time",
+                "1 at a time",
                 lat(one["sglang"]),
                 lat(one["aiotransfer"]),
                 f"{one['latency_ratio_p50']:.2f}",
@@ -418,7 +418,9 @@ def table(res: dict[str, Any]) -> str:
                 f"{many['gbps_ratio']:.2f}",
             )
         )
-    lines = console.table(rows).split("\n")
+    lines = [
+        "latency p50 / p99 (p99 where there are enough rooms)",
+    ]
     lines += [
         f"target {t['what']} >= {t['target']}: {t['value']:.2f} {'met' if t['met'] else 'NOT met'}"
         for t in res["targets"]
@@ -445,7 +447,7 @@ def table(res: dict[str, Any]) -> str:
         f"{res['plan']['rounds']} interleaved rounds; load {load['load_avg_at_start'][0]:.1f} -> "
         f"{load['load_avg_at_end'][0]:.1f} on {load['cpus']} CPUs; wall {res['wall_s']:.0f} s"
     )
-    return console.wrap("\n".join(lines))
+    return console.table(rows) + "\n" + console.wrap("\n".join(lines))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -280,6 +280,34 @@ def test_many_equal_entries_are_byte_exact(rig: Rig, aligned: bool) -> None:
         assert rig.engine.describe()["prepared_writes"] - before == (2 if aligned else 0)
 
 
+def test_a_many_entry_write_is_posted_from_the_loop_only_from_prepared_lists(rig: Rig) -> None:
+    """On NIXL, a write of more entries than a built descriptor list is worth on the loop is posted there
+    only once the driver has prepared the lists it is made from; before that (or off its length's
+    boundaries) ``try_submit_inline`` posts nothing and the driver takes it."""
+    if rig.kind != "nixl":
+        pytest.skip("NIXL's prepared descriptor lists")
+    size, n = 2048, 24
+    src_offs = [2 * i * size for i in range(n)]
+    dst_offs = [(2 * i + 1) * size for i in range(n)]
+
+    def blocks(src: list[int], dst: list[int], length: int) -> Blocks:
+        return Blocks(u64(*(rig.base + o for o in src)), u64(*(rig.peer.addr + o for o in dst)), u64(*[length] * n))
+
+    fresh = [o + 100 for o in src_offs], [o + 100 for o in dst_offs]  # off the boundaries: never from lists
+    assert rig.engine.try_submit_inline(rig.peer.session_id, blocks(*fresh, size)) is None
+    handle = write(rig, src_offs, dst_offs, [size] * n)  # the driver's write prepares the lists
+    assert drive(rig.engine, handle) is EngineStatus.DONE, handle.error
+    rig.src[: 2 * n * size] = np.random.default_rng(3).integers(0, 256, 2 * n * size, dtype=np.uint8)
+    before = rig.engine.describe()["prepared_writes"]
+    inline = rig.engine.try_submit_inline(rig.peer.session_id, blocks(src_offs, dst_offs, size))
+    assert inline is not None, "a write made from prepared lists was not posted from the loop"
+    assert drive(rig.engine, inline) is EngineStatus.DONE, inline.error
+    assert rig.engine.describe()["prepared_writes"] - before == 1
+    for s_, d in zip(src_offs, dst_offs, strict=True):
+        assert rig.peer.crc(d, size) == src_crc(rig, s_, size)
+    assert rig.engine.try_submit_inline(rig.peer.session_id, blocks(*fresh, size)) is None
+
+
 def test_single_entry_write_is_byte_exact(rig: Rig) -> None:
     handle = write(rig, [123_456], [700_000], [250_000])
     assert drive(rig.engine, handle) is EngineStatus.DONE, handle.error

@@ -225,6 +225,9 @@ def test_table_fits_the_width_by_wrapping_the_widest_cells() -> None:
     assert lines[0].startswith("figure") and set(lines[1]) <= {"-", " "}
     assert "0.95" in text and lines[-1].split() == ["2", "short", "1.00"]
     assert console.table([("a", "b"), ("1", "2")]) == "a  b\n-  -\n1  2"
+    many = [tuple(f"a long header number {i} (us)" for i in range(9)), tuple("1234 / 5678" for _ in range(9))]
+    lines = console.table(many).splitlines()  # headers wider than the width together: they wrap too
+    assert all(len(line) <= console.WIDTH for line in lines) and lines[0].startswith("a")
     wrapped = console.wrap("  " + "word " * 40)
     assert all(len(line) <= console.WIDTH for line in wrapped.splitlines())
     assert wrapped.splitlines()[1].startswith("      word")  # the line's indent plus the hanging indent

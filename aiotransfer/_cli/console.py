@@ -46,19 +46,21 @@ def wrap(text: str, width: int = WIDTH, indent: str = "    ") -> str:
 
 def table(rows: Sequence[Sequence[str]], width: int = WIDTH, gap: int = 2, rule: bool = True) -> str:
     """``rows[0]`` is the header (followed by a rule of dashes when ``rule``). Columns are as wide as their
-    widest cell; when that makes a line wider than ``width``, the widest columns shrink (never below their
-    header, nor below 8) and their cells wrap onto further lines."""
+    widest cell; when that makes a line wider than ``width``, the widest columns shrink (first not below their
+    header nor 8, then not below the header's longest word nor 6) and their cells wrap onto further lines."""
     if not rows:
         return ""
     ncol = max(len(r) for r in rows)
     cells = [[str(c) for c in r] + [""] * (ncol - len(r)) for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(ncol)]
-    floor = [max(8, len(cells[0][i])) for i in range(ncol)]
-    while sum(widths) + gap * (ncol - 1) > width:
-        i = max(range(ncol), key=lambda k: widths[k] - floor[k])
-        if widths[i] <= floor[i]:
-            break
-        widths[i] -= 1
+    # first the cells wrap, then (still too wide) the headers too, down to their longest word
+    for floor in ([max(8, len(cells[0][i])) for i in range(ncol)],
+                  [max(6, *map(len, cells[0][i].split() or [""])) for i in range(ncol)]):
+        while sum(widths) + gap * (ncol - 1) > width:
+            i = max(range(ncol), key=lambda k: widths[k] - floor[k])
+            if widths[i] <= floor[i]:
+                break
+            widths[i] -= 1
     lines: list[str] = []
     for n, row in enumerate(cells):
         parts = [textwrap.wrap(c, w, break_on_hyphens=False) or [""] if len(c) > w else [c]

@@ -151,3 +151,19 @@ async def test_wait_for_writes() -> None:
     loop.call_later(0.01, pair.submit)
     (write,) = await pair.fabric.wait_for_writes(1, timeout=5.0)
     assert write.dst == pair.dst.session_id and write.outcome == "pending"
+
+
+def test_a_write_lands_only_inside_one_registered_region_nested_or_not() -> None:
+    """The fabric finds an entry's region by address: inside one region, even one that starts before a
+    region nested in it, or not at all (straddling two, or past the end)."""
+    from aiotransfer.testing._fabric import _Regions
+
+    regions = _Regions()
+    regions.extend([MemoryRegion(0x10000, 0x1000), MemoryRegion(0x1000, 0x100000), MemoryRegion(0x2000, 0x100)])
+    assert regions.covers(0x10000, 0x1000) and regions.covers(0x2000, 0x100)
+    assert regions.covers(0x20000, 0x10), "inside the large region, past the nested ones"
+    assert regions.covers(0x2080, 0x200), "straddles a nested region's end, inside the large one"
+    assert not regions.covers(0x100f00, 0x200) and not regions.covers(0x800, 0x10)
+    regions.discard(MemoryRegion(0x1000, 0x100000))
+    assert not regions.covers(0x20000, 0x10) and not regions.covers(0x2080, 0x200)
+    assert regions.covers(0x10000, 0x800)

@@ -26,7 +26,7 @@ from aiotransfer import ConfigError, KVArgs, KVManager, PeerError, TransferConfi
 from aiotransfer._control.endpoint import ControlPlane, signed_frames
 from aiotransfer._control.messages import Ping, encode
 from tests.peer import make_buffers
-from tests.zmqtools import peak_rss_mib, push, wait_until
+from tests.zmqtools import peak_rss_mib, push, reset_peak_rss, wait_until
 
 KEY = b"a secret every manager of the deployment holds"
 FLOOD_FRAMES, FRAME = 96, 1 << 20
@@ -74,11 +74,6 @@ can keep one open as long as it holds the connection."""
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for peak memory")
 
 
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident size
-
-
 @contextlib.asynccontextmanager
 async def _manager(seed: int | None = 1, **cfg: Any) -> AsyncIterator[tuple[KVManager, list[np.ndarray]]]:
     bufs = make_buffers(2, 64, 1024, seed=seed)
@@ -89,7 +84,7 @@ async def _manager(seed: int | None = 1, **cfg: Any) -> AsyncIterator[tuple[KVMa
 
 async def _flood_peak(mgr: KVManager, settle: float, script: str = FLOOD) -> float:
     """Growth of this process's peak resident memory (MiB) while a host without the key floods ``mgr``."""
-    _reset_peak()
+    reset_peak_rss()
     base = peak_rss_mib()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-c", script, mgr.endpoint, str(FLOOD_FRAMES), str(FRAME), str(settle + 5),

@@ -29,7 +29,7 @@ from aiotransfer._control import messages as m
 from aiotransfer._control.endpoint import ControlPlane
 from aiotransfer.errors import ProtocolError
 from tests.peer import make_buffers
-from tests.zmqtools import peak_rss_mib
+from tests.zmqtools import peak_rss_mib, reset_peak_rss
 
 MiB = 1 << 20
 DEFAULT_BOUND = TransferConfig().max_message_bytes
@@ -180,8 +180,7 @@ class _UnboundedRequest(msgspec.Struct, tag="req"):
 def _cost(decode: Callable[[bytes], Any], data: bytes) -> tuple[float, float]:
     """Seconds, and growth of this process's peak resident memory (MiB), of ``decode(data)``, refused or not."""
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident size
+    reset_peak_rss()
     base, t0, out = peak_rss_mib(), time.perf_counter(), None
     with contextlib.suppress(ProtocolError, msgspec.ValidationError):
         out = decode(data)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 from collections.abc import Callable
 
 import zmq
@@ -26,6 +28,16 @@ async def wait_until(pred: Callable[[], object], timeout: float = 5.0) -> None:
     while not pred():
         assert loop.time() < end, "condition not reached"
         await asyncio.sleep(0.01)
+
+
+def reset_peak_rss() -> None:
+    """Set this process's peak resident memory (``VmHWM``) to its resident size now. Memory freed earlier in
+    the process (another test's) stays resident in the allocator's heap, where new allocations could reuse
+    it without growing the peak: it is given back to the system first, so that a growth measured from here
+    shows what was allocated."""
+    ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def peak_rss_mib() -> float:

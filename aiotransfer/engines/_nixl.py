@@ -426,8 +426,9 @@ class NixlEngine(AgentEngine):
 
     def try_submit_inline(self, peer: str, blocks: Blocks) -> TransferHandle | None:
         """Post a small write from the calling (event-loop) thread if the agent is free right now; None
-        (nothing posted) when the write is too large or another thread holds the agent, so the caller
-        goes through the executor. Never waits for the lock."""
+        (nothing posted) when the write is too large (bytes, or entries: more than ``inline_max_entries``
+        unless it is made from lists the driver has already prepared), or another thread holds the agent, so
+        the caller goes through the driver. Never waits for the lock, and never prepares a list."""
         n = len(blocks)
         if not 0 < n <= self.inline_prepared_max_entries or blocks.nbytes > self.inline_alone_max_bytes:
             return None

@@ -14,7 +14,7 @@ from . import _trace
 from ._control.messages import TransferRequest
 from ._deadline import DEFAULT, Deadline, Default, seconds, within
 from ._device import check_ready, wait_device_work
-from ._kv.context import RankContext, annotate, validate_state_indices
+from ._kv.context import RankContext, annotate, check_aux_index, state_mismatch, validate_state_indices
 from ._kv.dsts import Dst, room_size
 from ._kv.ledger import Ledger
 from ._kv.notify import Notifier
@@ -574,18 +574,14 @@ class KVSender(RoomSide):
             return  # a dummy rank sends nothing; its decode peers did not ask it for aux
         if self._aux_sent:
             raise InvalidArgument(f"room {self.room}: aux was already sent")
-        if not ctx.args.aux:
-            raise InvalidArgument("send_aux: this manager has no aux buffers")
-        slots = min(b.num_items for b in ctx.args.aux)
-        if isinstance(aux_index, bool) or not isinstance(aux_index, (int, np.integer)) or not 0 <= aux_index < slots:
-            raise InvalidArgument(f"aux_index {aux_index!r} out of range [0, {slots})")
+        slot = check_aux_index(ctx.args, aux_index)
         deadline = Deadline(budget)
         self.update(KVPoll.Transferring)
         dsts = [d for d in self._real_dsts() if d.request.aux_index >= 0]
         give_back = self._ledger.take()  # before the first await: the room cannot be released under this call
         try:
             paths = await self._run_or_fail(asyncio.gather(*(
-                self._pusher.send_aux(self._writes, d.peer, int(aux_index), d.request.aux_index, deadline)
+                self._pusher.send_aux(self._writes, d.peer, slot, d.request.aux_index, deadline)
                 for d in dsts
             )))
             self.aux_path = paths[0] if paths else None
@@ -620,17 +616,7 @@ class KVSender(RoomSide):
         if self._state_sent:
             raise InvalidArgument(f"room {self.room}: state was already sent")
         local = validate_state_indices(ctx.args, states, role="send_state")
-        declared = self.declared_state
-        problem = None
-        if set(local) != set(declared):
-            problem = (
-                f"state kinds mismatch: prefill sends {sorted(local)}, decode declared {sorted(declared)}"
-            )
-        else:
-            for kind, idx in local.items():
-                if len(idx) != declared[kind]:
-                    problem = f"{kind} state count mismatch: prefill sends {len(idx)}, decode declared {declared[kind]}"
-                    break
+        problem = state_mismatch(local, self.declared_state)
         if problem is not None:
             await self._fail(problem)
             raise TransferFailed(problem, room=self.room)

@@ -46,7 +46,10 @@ from ..errors import (
     TransferTimeout,
 )
 
-__all__ = ["RankContext", "annotate", "engine_failures", "merge_regions", "validate_state_indices"]
+__all__ = [
+    "RankContext", "annotate", "check_aux_index", "engine_failures", "merge_regions", "state_mismatch",
+    "validate_state_indices",
+]
 
 log = logging.getLogger("aiotransfer.manager")
 
@@ -247,6 +250,27 @@ def validate_state_indices(
             check_unique(arr, what=f"{kind} state indices")
         out[kind] = [int(v) for v in arr]
     return out
+
+
+def state_mismatch(local: Mapping[str, list[int]], declared: Mapping[str, int]) -> str | None:
+    """Why the state a prefill sends (``{kind: indices}``) is not what the decode declared (``{kind: count}``),
+    or None when it is."""
+    if set(local) != set(declared):
+        return f"state kinds mismatch: prefill sends {sorted(local)}, decode declared {sorted(declared)}"
+    for kind, idx in local.items():
+        if len(idx) != declared[kind]:
+            return f"{kind} state count mismatch: prefill sends {len(idx)}, decode declared {declared[kind]}"
+    return None
+
+
+def check_aux_index(args: KVArgs, aux_index: object) -> int:
+    """``aux_index`` as a local aux slot, or :class:`InvalidArgument` (no aux buffers, not an int, out of range)."""
+    if not args.aux:
+        raise InvalidArgument("send_aux: this manager has no aux buffers")
+    slots = min(b.num_items for b in args.aux)
+    if isinstance(aux_index, bool) or not isinstance(aux_index, (int, np.integer)) or not 0 <= aux_index < slots:
+        raise InvalidArgument(f"aux_index {aux_index!r} out of range [0, {slots})")
+    return int(aux_index)
 
 
 def merge_regions(regions: list[MemoryRegion]) -> list[MemoryRegion]:

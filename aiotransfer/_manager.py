@@ -329,6 +329,22 @@ class KVManager:
             **ctx.metrics.snapshot(),
         })
 
+    async def run_on_worker_threads(self, fn: Callable[[str], None], *, timeout: float = 10.0) -> None:
+        """Diagnostics: run ``fn(where)`` once on each thread besides the event loop's that works for this
+        manager's calls: the engine's driver (``where`` is ``"driver"``), then every offload thread
+        (``"offload"``). For per-thread tools, such as a CPU profiler turned on before a call and off after
+        it. ``fn`` must be quick and must not call into the manager.
+
+        Args:
+            fn: Called with where it runs.
+            timeout: Bounds each thread's turn.
+
+        Raises:
+            ClosedError: The manager is not running.
+            TransferTimeout: A thread did not take its turn within ``timeout``.
+        """
+        await self._ctx.on_worker_threads(fn, timeout)
+
     def __repr__(self) -> str:
         ctx = self._ctx
         state = "closed" if ctx.closed else ("up" if ctx.started else "new")

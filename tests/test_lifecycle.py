@@ -394,3 +394,23 @@ async def test_an_abort_that_crosses_the_success_is_acknowledged_at_once(
         else:
             with pytest.raises(TransferTimeout):
                 await rx.released(timeout=1)
+
+
+async def test_a_diagnostic_call_runs_once_on_the_driver_and_once_on_each_offload_thread() -> None:
+    """``run_on_worker_threads``: the hook a per-thread profiler uses. The driver first, then each offload
+    thread exactly once (never the loop's thread), bounded; refused once the manager is closed."""
+    from aiotransfer.errors import ClosedError
+
+    cfg = TransferConfig(engine="memory", executor_threads=3)
+    seen: list[tuple[str, str, int]] = []
+    async with KVManager(KVArgs(make_buffers(1, 4, 64, None), page_size=4, dtype="uint8"), cfg) as mgr:
+        await mgr.run_on_worker_threads(
+            lambda where: seen.append((where, threading.current_thread().name, threading.get_ident())), timeout=5)
+        assert [w for w, _, _ in seen] == ["driver", "offload", "offload", "offload"]
+        assert seen[0][1].startswith("aiotransfer-driver-")
+        offload = {ident for where, _, ident in seen if where == "offload"}
+        assert len(offload) == 3 and seen[0][2] not in offload
+        assert threading.get_ident() not in {ident for _, _, ident in seen}
+        assert all(name.startswith("aiotransfer-") for _, name, _ in seen)
+    with pytest.raises(ClosedError):
+        await mgr.run_on_worker_threads(lambda where: None)

@@ -11,8 +11,9 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import threading
 from collections import Counter
-from collections.abc import Coroutine, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
@@ -155,6 +156,21 @@ class RankContext:
             raise ClosedError("manager is closed")
         if not self.started:
             raise ClosedError(_NOT_STARTED)
+
+    async def on_worker_threads(self, fn: Callable[[str], None], timeout: float) -> None:
+        """``fn("driver")`` on the engine's driver thread, then ``fn("offload")`` once on every offload thread:
+        each offload job waits at a barrier until every thread holds one, so no thread takes two."""
+        self.check_open()
+        await self.driver.run(fn, "driver", timeout=timeout, what="diagnostic call on the driver")
+        n = int(self.config.executor_threads)
+        barrier = threading.Barrier(n)
+
+        def job() -> None:
+            barrier.wait(timeout)
+            fn("offload")
+
+        await asyncio.gather(*(self.offload.run(job, timeout=timeout, what="diagnostic call on an offload thread")
+                               for _ in range(n)))
 
     # -- tasks and messages ---------------------------------------------------------------------
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:

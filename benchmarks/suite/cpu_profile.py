@@ -15,7 +15,6 @@ it is: shares are indicative, and the phase reports them next to the unprofiled 
 
 from __future__ import annotations
 
-import asyncio
 import cProfile
 import pstats
 import threading
@@ -137,9 +136,9 @@ def categorize(stats: dict[Key, Any], top: int = 12) -> dict[str, Any]:
 
 async def profile_call(mgr: Any, run: Callable[[], Awaitable[None]], timeout: float = 30.0) -> dict[str, Any]:
     """Run ``run()`` (one call of ``mgr``) with a CPU-time profiler on the loop's thread, the engine's driver
-    thread and every offload thread of ``mgr``; the categories of each thread's time."""
-    rank = mgr._ctx  # the manager's driver and offload executor: the threads that work for its calls
-    driver, offload, nthreads = rank.driver, rank.offload, int(mgr.config.executor_threads)
+    thread and every offload thread of ``mgr`` (:meth:`~aiotransfer.KVManager.run_on_worker_threads`); the
+    categories of each thread's time. An offload thread's profile also holds its wait at the hook's barrier
+    while the other threads stop theirs: time off its CPU clock, so it costs nothing in the figures."""
     on: dict[int, tuple[str, cProfile.Profile]] = {}
 
     def start(where: str) -> None:
@@ -147,30 +146,16 @@ async def profile_call(mgr: Any, run: Callable[[], Awaitable[None]], timeout: fl
         on[threading.get_ident()] = (where, prof)
         prof.enable()
 
-    def stop() -> None:
+    def stop(where: str = "loop") -> None:
         on[threading.get_ident()][1].disable()
 
-    async def each_offload_thread(fn: Callable[[], None], first: bool) -> None:
-        barrier = threading.Barrier(nthreads)  # every job waits for the others: one job on each thread
-
-        def job() -> None:  # the wait happens while the thread's profiler is off
-            if first:
-                barrier.wait(timeout)
-            fn()
-            if not first:
-                barrier.wait(timeout)
-
-        await asyncio.gather(*(offload.run(job, timeout=timeout, what="profiler") for _ in range(nthreads)))
-
-    await driver.run(start, "driver", timeout=timeout, what="profiler on")
-    await each_offload_thread(lambda: start("offload"), True)
+    await mgr.run_on_worker_threads(start, timeout=timeout)
     start("loop")
     try:
         await run()
     finally:
         stop()
-        await driver.run(stop, timeout=timeout, what="profiler off")
-        await each_offload_thread(stop, False)
+        await mgr.run_on_worker_threads(stop, timeout=timeout)
     by_thread: dict[str, list[cProfile.Profile]] = {"loop": [], "driver": [], "offload": []}
     for where, prof in on.values():
         if prof.getstats():

@@ -12,7 +12,11 @@ import numpy as np
 from .._control.messages import BufferSpec, Hello, HelloAck, Topology, TransferRequest
 from .._layout import KVPairing
 
-__all__ = ["DecodePeer", "Evicted", "PendingRequests", "PrefillPeer", "PrefillTopology", "Stashed"]
+LAYER_SETS = 1024
+"""Sets of layers whose buffer positions a :class:`DecodePeer` keeps (a model's layers one by one, or in the
+groups its forward pass sends them in; a caller sending arbitrary sets stops adding beyond this)."""
+
+__all__ = ["LAYER_SETS", "DecodePeer", "Evicted", "PendingRequests", "PrefillPeer", "PrefillTopology", "Stashed"]
 
 
 @dataclass
@@ -38,6 +42,9 @@ class DecodePeer:
     staging: BufferSpec | None = None
     few: tuple[list[int], list[int], list[int]] | None = None
     """(source bases, destination bases, item lengths) as ints, for :func:`plan_runs` (built on first use)."""
+    layer_positions: dict[frozenset[int], np.ndarray] = field(default_factory=dict)
+    """The paired buffers (indices into ``pairing``) holding each set of layers streamed to this peer (built on
+    first use, at most :data:`LAYER_SETS` sets)."""
 
     @property
     def session_id(self) -> str:

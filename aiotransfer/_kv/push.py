@@ -39,7 +39,7 @@ from .._poller import WriteGuard
 from .._staging import RowSlice, choose_staging
 from ..errors import ClosedError, EngineError, InvalidArgument, TransferFailed, TransferTimeout
 from .context import RankContext, annotate, engine_failures
-from .peers import DecodePeer
+from .peers import LAYER_SETS, DecodePeer
 from .staged import StagingWriter, piece_pages
 
 __all__ = ["Pusher", "RoomWrites", "TransferPlan", "row_slices"]
@@ -291,9 +291,16 @@ class Pusher:
 
     def _layer_positions(self, peer: DecodePeer, layers: frozenset[int]) -> np.ndarray:
         """The paired buffers (indices into ``peer.pairing``) holding ``layers``."""
+        known = peer.layer_positions.get(layers)
+        if known is not None:
+            return known
         owners = self._owners
         assert owners is not None
-        return np.array([i for i, b in enumerate(peer.pairing.src) if owners[int(b)] in layers], dtype=np.int64)
+        positions = np.array([i for i, b in enumerate(peer.pairing.src.tolist()) if owners[b] in layers], dtype=np.int64)
+        positions.flags.writeable = False  # shared by every call for these layers
+        if len(peer.layer_positions) < LAYER_SETS:
+            peer.layer_positions[layers] = positions
+        return positions
 
     async def write_kv_layers(
         self, writes: RoomWrites, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, layers: frozenset[int],

@@ -239,8 +239,8 @@ class TransferEngine(Protocol):
 
     def abandon(self, handle: TransferHandle) -> None:
         """Give up a handle whose write the engine never ended (its release quarantine has passed): drop or
-        park the native handle without waiting, and consume ``handle`` as FAILED. Called once, from the
-        event loop."""
+        park the native handle without waiting, and consume ``handle`` as FAILED. Called once, on the engine's
+        driver thread (it may take the engine's lock); the handle is not polled meanwhile."""
         ...
 
     def forget_peer(self, peer: str) -> None: ...

@@ -33,6 +33,8 @@ class Offloader:
         initializer: Callable[[], None] | None = None,
     ) -> None:
         self.name = name
+        self.threads = threads
+        """The pool's threads (each started when a call first needs it)."""
         self.initializer = initializer
         """Runs first on every executor thread (device binding); the poller's waiter threads run it too."""
         self._executor = concurrent.futures.ThreadPoolExecutor(

@@ -414,3 +414,20 @@ async def test_a_diagnostic_call_runs_once_on_the_driver_and_once_on_each_offloa
         assert all(name.startswith("aiotransfer-") for _, name, _ in seen)
     with pytest.raises(ClosedError):
         await mgr.run_on_worker_threads(lambda where: None)
+
+
+async def test_a_diagnostic_call_that_cannot_reach_every_offload_thread_times_out_and_runs_nowhere_there() -> None:
+    """One offload thread busy: the others wait at the hook's barrier, which breaks at the bound; the call
+    raises TransferTimeout and ``fn`` runs on no offload thread."""
+    cfg = TransferConfig(engine="memory", executor_threads=2)
+    seen: list[str] = []
+    release = threading.Event()
+    async with KVManager(KVArgs(make_buffers(1, 4, 64, None), page_size=4, dtype="uint8"), cfg) as mgr:
+        busy = asyncio.ensure_future(mgr._ctx.offload.run(release.wait, 10, timeout=10, what="busy"))
+        try:
+            with pytest.raises(TransferTimeout):
+                await mgr.run_on_worker_threads(seen.append, timeout=0.3)
+            assert seen == ["driver"]
+        finally:
+            release.set()
+            await busy

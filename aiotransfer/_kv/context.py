@@ -162,11 +162,15 @@ class RankContext:
         each offload job waits at a barrier until every thread holds one, so no thread takes two."""
         self.check_open()
         await self.driver.run(fn, "driver", timeout=timeout, what="diagnostic call on the driver")
-        n = int(self.config.executor_threads)
+        n = self.offload.threads
         barrier = threading.Barrier(n)
 
         def job() -> None:
-            barrier.wait(timeout)
+            try:
+                barrier.wait(timeout)
+            except threading.BrokenBarrierError:
+                raise TransferTimeout(f"the offload threads did not all take a diagnostic call within {timeout:.3g}s "
+                                      "(busy with other work)") from None
             fn("offload")
 
         await asyncio.gather(*(self.offload.run(job, timeout=timeout, what="diagnostic call on an offload thread")

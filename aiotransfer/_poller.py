@@ -253,13 +253,33 @@ class Poller:
             size = min(size, self.engine.traits.inline_slice)
         if on_done is not None and len(blocks) > size:
             on_done = None
+        grow: TransferHandle | None = None
+        """The handle the write's later slices join, while the engine takes them into it (``try_extend_inline``)."""
         try:
             credits = self._credits_for(peer, loop)
-            for i, piece in enumerate(split_blocks(blocks, size)):
+            pieces = split_blocks(blocks, size)
+            for i, piece in enumerate(pieces):
                 if i and tracked and tracked[-1][0].inline:
                     await asyncio.sleep(0)  # the loop posted the last slice itself: let other tasks run
                 if not credits.try_acquire(len(piece)):
+                    if grow is not None:  # its credits come back only once it ends: it must stop growing
+                        self._stop_growing(grow, tracked[-1][1], failures)
+                        grow = None
                     await credits.acquire(len(piece), deadline)
+                if grow is not None:
+                    try:
+                        if guard is not None:
+                            guard.admit()  # the one gate, as for a submission
+                        grown = self._extend(grow, piece, credits)
+                    except BaseException:
+                        credits.release(len(piece))
+                        raise
+                    if grown:
+                        handle, fut = tracked[-1]
+                        self._check_posted(handle, fut, failures)
+                        continue
+                    grow.growing = False  # the engine would not take it: this slice is a write of its own
+                    grow = None
                 try:
                     if guard is not None:
                         guard.admit()  # the one gate: checked in the same loop iteration as the submission
@@ -271,6 +291,9 @@ class Poller:
                 # adopted (see _submit)
                 handle = await self._submit(peer, piece, deadline, submitting, hold,
                                             functools.partial(credits.release, len(piece)))
+                if handle.inline and i + 1 < len(pieces) and handle.doomed is None:
+                    grow = handle  # set in the iteration that posted it: never polled before
+                    handle.growing = True
                 _trace.recorder is None or _trace.submitted(handle, guard)
                 fut = self._track(handle, hold)
                 tracked.append((handle, fut))
@@ -281,21 +304,54 @@ class Poller:
                     submitting()
                 if on_done is not None:
                     self._on_done[handle] = on_done
-                if handle.landed or handle.doomed:
-                    self._poll_one(handle)
-                if not failures and fut.done():
-                    _note_failure(failures, fut)  # ended in this iteration: its callback has not run yet
-                if failures:
-                    raise failures[0].exception()  # type: ignore[misc]
+                self._check_posted(handle, fut, failures)
+            if grow is not None:
+                self._stop_growing(grow, tracked[-1][1], failures)
+                grow = None
             await _wait_all([f for _, f in tracked], deadline, loop)
             ok = True
         finally:
+            if grow is not None:
+                grow.growing = False  # no slice joins it any more: it may end
             if not ok:
                 now = loop.time()
                 for handle, f in tracked:
                     f.add_done_callback(_swallow)
                     if handle in self._polled:
                         self._given_up.setdefault(handle, now)
+
+    def _stop_growing(self, handle: TransferHandle, fut: asyncio.Future[None],
+                      failures: list[asyncio.Future[None]]) -> None:
+        """No more slices join ``handle``: it may end, and is asked at once (every entry posted may have ended
+        while it was growing), then the write's first failure is raised."""
+        handle.growing = False
+        self._poll_one(handle)
+        self._check_posted(handle, fut, failures)
+
+    def _check_posted(self, handle: TransferHandle, fut: asyncio.Future[None],
+                      failures: list[asyncio.Future[None]]) -> None:
+        """Right after a post: ask a handle the engine says landed or doomed at once, and raise the first
+        failure of the write's slices."""
+        if handle.landed or handle.doomed:
+            self._poll_one(handle)
+        if not failures and fut.done():
+            _note_failure(failures, fut)  # ended in this iteration: its callback has not run yet
+        if failures:
+            raise failures[0].exception()  # type: ignore[misc]
+
+    def _extend(self, handle: TransferHandle, piece: Blocks, credits: Credits) -> bool:
+        """``piece`` posted from the loop into the growing ``handle``, which is polled; True when the engine
+        took it. Its credit goes back when the handle ends, except for entries the engine refused."""
+        entries, nbytes = handle.entries, handle.nbytes
+        if not self.engine.try_extend_inline(handle, piece):
+            return False
+        added, more = handle.entries - entries, handle.nbytes - nbytes
+        if added < len(piece):
+            credits.release(len(piece) - added)
+        self.pinned_bytes += more
+        self._polled_bytes += more
+        self._polled_entries += added
+        return True
 
     async def aclose(self, timeout: float) -> int:
         """Stop accepting work, wait up to ``timeout`` for in-flight handles; returns how many remain."""

@@ -3,6 +3,7 @@ Mooncake's wheel choice and its start-up log filter."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -43,6 +44,7 @@ def test_trait_defaults_live_in_one_place() -> None:
     assert base.traits == EngineTraits() and base.probe_region is None
     assert base.credit_scope is base
     assert base.try_submit_inline("peer", None) is None  # type: ignore[arg-type]
+    assert base.try_extend_inline(None, None) is False  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         EngineTraits(bandwidth_bps=0)
     with pytest.raises(ValueError):
@@ -99,7 +101,7 @@ def test_registry_refuses_an_engine_without_the_optional_members() -> None:
     registry.register_engine("old-style", lambda config: Old())
     registry.register_engine("new-style", lambda config: EngineBase())
     try:
-        with pytest.raises(ConfigError, match=r"lacks traits, probe_region, credit_scope, try_submit_inline, reach, abandon: inherit"):
+        with pytest.raises(ConfigError, match=r"lacks traits, probe_region, credit_scope, try_submit_inline, try_extend_inline, reach, abandon: inherit"):
             registry.create_engine(TransferConfig(engine="old-style"))
         assert closed == [True]
         assert isinstance(registry.create_engine(TransferConfig(engine="new-style")), EngineBase)
@@ -392,6 +394,157 @@ def test_a_mooncake_timeout_is_not_an_end() -> None:
     assert "engine timeout" in str(handle.error)
 
 
+# ---------------------------------------------------------------------------------------------------
+# A write's slices grow one handle (``try_extend_inline``), posted from the loop 64 entries at a time
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_a_growing_mooncake_write_is_not_over_before_its_last_slice_joined() -> None:
+    """Later slices join the handle's ids; while ``growing`` is set, ``check`` answers PENDING even once every
+    entry posted so far has ended, and the handle ends only after the poll loop clears it."""
+    native = _Native()
+    engine = _mooncake_over(native)
+    handle = engine.try_submit_inline("peer", _blocks(2))
+    assert handle is not None
+    assert not engine.try_extend_inline(handle, _blocks(2)), "a handle not growing took more entries"
+    handle.growing = True
+    for bid in (100, 101):
+        native.end(bid)
+    assert engine.check(handle) is EngineStatus.PENDING, "a growing write ended"
+    assert engine.try_extend_inline(handle, _blocks(3))
+    assert (handle.entries, handle.nbytes, native.posted) == (5, 5 * 4096, [100, 101, 102, 103, 104])
+    for bid in (102, 103, 104):
+        native.end(bid)
+    assert engine.check(handle) is EngineStatus.PENDING
+    handle.growing = False
+    assert engine.check(handle) is EngineStatus.DONE and native.freed == set(range(100, 105))
+
+
+def test_a_growing_mooncake_write_takes_no_slice_the_loop_could_wait_on_or_that_cannot_succeed() -> None:
+    """Declined, nothing posted: while a handshake holds the engine, for a slice larger than the loop posts,
+    and once the handle is doomed. An entry refused inside a slice dooms the handle; those posted stay."""
+    native = _Native(refuse=(3,))
+    engine = _mooncake_over(native)
+    handle = engine.try_submit_inline("peer", _blocks(2))
+    assert handle is not None
+    handle.growing = True
+    with engine._shared.gate.handshake():
+        assert not engine.try_extend_inline(handle, _blocks(2))
+    assert not engine.try_extend_inline(handle, _blocks(mc._INLINE_ENTRIES + 1))
+    assert native.posted == [100, 101]
+    assert engine.try_extend_inline(handle, _blocks(3))  # the second entry of this slice is refused
+    assert handle.entries == 3 and handle.nbytes == 3 * 4096 and "refused entry 3" in str(handle.doomed)
+    assert not engine.try_extend_inline(handle, _blocks(1)) and native.posted == [100, 101, 102]
+    for bid in native.posted:
+        native.end(bid)
+    handle.growing = False
+    assert engine.check(handle) is EngineStatus.FAILED and native.freed == {100, 101, 102}
+
+
+class _EndingNative(_Native):
+    """Every posted entry has completed by the time it is first asked about."""
+
+    def transfer_check_status(self, bid: int) -> int:
+        self.ended.setdefault(bid, 1)
+        return super().transfer_check_status(bid)
+
+
+def _sliced_mooncake(monkeypatch: pytest.MonkeyPatch, native: _Native, slice_entries: int) -> mc.MooncakeEngine:
+    monkeypatch.setattr(mc, "_INLINE_ENTRIES", slice_entries)
+    engine = _mooncake_over(native)
+    engine.traits = EngineTraits(inline_slice=slice_entries)
+    return engine
+
+
+async def _write_through_poller(engine: mc.MooncakeEngine, n: int, cap: int, guard: Any = None) -> Any:
+    from aiotransfer._driver import Driver
+    from aiotransfer._poller import Poller
+
+    driver = Driver("grow-test")
+    poller = Poller(engine, driver, max_in_flight=cap, max_batch=1024, interval_min=0.0001, interval_max=0.001,
+                    expire_after=60.0)
+    try:
+        await poller.write("peer", _blocks(n), timeout=5, guard=guard)
+        return poller
+    finally:
+        await poller.aclose(2.0)
+        driver.close()
+
+
+async def test_a_write_of_many_slices_is_one_handle_posted_from_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ten entries in slices of four: one post and two slices joining it, all from the loop, one handle
+    polled to its end, every entry asked until it ended and never after."""
+    native = _EndingNative()
+    engine = _sliced_mooncake(monkeypatch, native, 4)
+    posts: list[int] = []
+    submit = engine._submit_entries
+
+    def counting(peer: str, name: str, blocks: Any) -> TransferHandle:
+        posts.append(len(blocks))
+        return submit(peer, name, blocks)
+
+    monkeypatch.setattr(engine, "_submit_entries", counting)
+    poller = await _write_through_poller(engine, 10, cap=1024)
+    assert posts == [4] and native.posted == list(range(100, 110)) and native.freed == set(native.posted)
+    assert (poller.completed, poller.failed, poller.in_flight) == (1, 0, 0)
+
+
+async def test_a_write_larger_than_the_credit_cap_stops_growing_to_give_credit_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The credit of a growing handle comes back only when it ends: a slice that finds no credit stops the
+    growth, so the write goes on as several handles instead of waiting on itself."""
+    native = _EndingNative()
+    engine = _sliced_mooncake(monkeypatch, native, 4)
+    poller = await _write_through_poller(engine, 10, cap=6)
+    assert native.posted == list(range(100, 110)) and native.freed == set(native.posted)
+    assert poller.completed >= 2 and poller.in_flight == 0
+
+
+async def test_a_room_that_fails_between_slices_stops_the_growth_and_its_entries_still_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The room is asked before every slice; once it refuses, nothing more is posted, the write fails, and
+    the handle (with what it posted) is polled until the engine ends it."""
+    native = _Native()
+    engine = _sliced_mooncake(monkeypatch, native, 4)
+    admitted = 0
+
+    class Room:
+        def take(self) -> Any:
+            return lambda: None
+
+        def admit(self) -> None:
+            nonlocal admitted
+            admitted += 1
+            if admitted > 2:
+                raise EngineError("room failed")
+
+        def write_failed(self) -> None:
+            pass
+
+    from aiotransfer._driver import Driver
+    from aiotransfer._poller import Poller
+
+    driver = Driver("grow-test")
+    poller = Poller(engine, driver, max_in_flight=1024, max_batch=1024, interval_min=0.0001, interval_max=0.001,
+                    expire_after=60.0)
+    try:
+        with pytest.raises(EngineError, match="room failed"):
+            await poller.write("peer", _blocks(10), timeout=5, guard=Room())
+        assert native.posted == list(range(100, 108)) and poller.in_flight == 1
+        for bid in native.posted:
+            native.end(bid)
+        for _ in range(2000):
+            if poller.in_flight == 0:
+                break
+            await asyncio.sleep(0.001)
+        assert poller.in_flight == 0 and native.freed == set(native.posted)
+    finally:
+        await poller.aclose(2.0)
+        driver.close()
+
+
 def test_mooncake_posts_from_the_loop_only_while_no_handshake_can_hold_the_engine() -> None:
     """``try_submit_inline`` declines (nothing posted) while a handshake is in progress, for a peer whose
     segment the engine has not opened, and for writes too large to post inline; a handshake waits for the
@@ -482,3 +635,90 @@ def test_a_mooncake_round_costs_the_window_whatever_the_length_of_the_write() ->
     for k in range(1500, n):
         native.end(100 + k)
     assert engine.check(handle) is EngineStatus.DONE and native.freed == set(range(100, 100 + n))
+
+
+class _CountingNative(_Native):
+    """Completes each entry when first asked, except those in ``fail`` (-1); counts entries the engine holds
+    (posted, not yet reported over) at their peak."""
+
+    def __init__(self, refuse: tuple[int, ...] = (), fail: frozenset[int] = frozenset()) -> None:
+        super().__init__(refuse)
+        self.fail = fail
+        self.peak = 0
+
+    def transfer_submit_write(self, name: str, src: int, dst: int, length: int) -> int:
+        bid = super().transfer_submit_write(name, src, dst, length)
+        self.peak = max(self.peak, len(self.posted) - len(self.freed))
+        return bid
+
+    def transfer_check_status(self, bid: int) -> int:
+        self.ended.setdefault(bid, -1 if bid - 100 in self.fail else 1)
+        return super().transfer_check_status(bid)
+
+
+@settings(max_examples=int(os.environ.get('GROW_EXAMPLES', '60')), deadline=None)
+@given(n=st.integers(1, 40), slice_entries=st.integers(1, 9), cap=st.integers(1, 24),
+       refuse=st.sets(st.integers(0, 45), max_size=2), fail=st.frozensets(st.integers(0, 40), max_size=2),
+       fail_room_at=st.one_of(st.none(), st.integers(1, 8)))
+def test_growing_writes_keep_the_credit_cap_and_end_every_entry_in_any_order_of_faults(
+    n: int, slice_entries: int, cap: int, refuse: set[int], fail: frozenset[int], fail_room_at: int | None,
+) -> None:
+    """Any write size against any slice and credit cap, with entries refused at the post, entries that fail,
+    and the room failing before any slice: the engine never holds more entries than the cap (or one slice
+    larger than it), the write
+    succeeds exactly when every entry was posted and none failed, and once it is over every posted entry is
+    asked until it ended and never after, with every credit back."""
+    from aiotransfer._driver import Driver
+    from aiotransfer._poller import Poller
+
+    native = _CountingNative(refuse=tuple(sorted(refuse)), fail=fail)
+    saved = mc._INLINE_ENTRIES
+    mc._INLINE_ENTRIES = slice_entries
+    admitted = 0
+
+    class Room:
+        def take(self) -> Any:
+            return lambda: None
+
+        def admit(self) -> None:
+            nonlocal admitted
+            admitted += 1
+            if fail_room_at is not None and admitted >= fail_room_at:
+                raise EngineError("room failed")
+
+        def write_failed(self) -> None:
+            pass
+
+    async def run() -> tuple[bool, int]:
+        engine = _mooncake_over(native)
+        engine.traits = EngineTraits(inline_slice=slice_entries)
+        driver = Driver("grow-property")
+        poller = Poller(engine, driver, max_in_flight=cap, max_batch=1024, interval_min=0.0001,
+                        interval_max=0.001, expire_after=60.0)
+        try:
+            try:
+                await poller.write("peer", _blocks(n), timeout=5, guard=Room())
+                ok = True
+            except EngineError:
+                ok = False
+            for _ in range(5000):
+                if poller.in_flight == 0:
+                    break
+                await asyncio.sleep(0.0005)
+            credit = poller._credits_for("peer", asyncio.get_running_loop()).used
+            return ok, poller.in_flight + credit
+        finally:
+            await poller.aclose(2.0)
+            driver.close()
+
+    try:
+        ok, left = asyncio.run(run())
+    finally:
+        mc._INLINE_ENTRIES = saved
+    # a slice larger than the cap is let through alone (Credits clamps a request to the cap)
+    assert native.peak <= max(cap, slice_entries), f"the engine held {native.peak} entries, cap {cap}"
+    assert left == 0, "a handle or its credit outlived the write"
+    assert native.freed == set(native.posted), "an entry was left unasked"
+    posted_all = len(native.posted) == n
+    failed = any(bid - 100 in fail for bid in native.posted)
+    assert ok == (posted_all and not failed), (ok, native.posted, fail)

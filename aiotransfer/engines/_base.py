@@ -109,6 +109,10 @@ class TransferHandle:
     poll loop asks ``check`` right away instead of on its next round, so the completion and a ``Success``
     waiting on it go out in the same step as the submission. Still asked through ``check``, which releases
     the native handle."""
+    growing: bool = False
+    """Set by the poll loop while later slices of the same write may still join this handle
+    (:meth:`TransferEngine.try_extend_inline`): ``check`` answers PENDING, even once every entry posted so
+    far has ended, until the poll loop clears it."""
 
     @property
     def consumed(self) -> bool:
@@ -160,7 +164,8 @@ class EngineTraits:
     """With a value, writes of more entries are posted in slices of this many entries, each offered to
     ``try_submit_inline`` in turn, the loop yielding between them: for an engine whose native post is one call
     per entry (Mooncake), where a large write handed to the driver thread would take the GIL back once per
-    entry. 0: a write is one post."""
+    entry. The slices after the first are offered to ``try_extend_inline``, to join the first one's handle.
+    0: a write is one post."""
     landing_grace_s: float = 0.0
     """How long, once the destination runs, bytes of a write the engine ended FAILED may still be applied there:
     a FAILED answer proves the source quiesced, not that nothing already sent is still in the network
@@ -205,6 +210,15 @@ class TransferEngine(Protocol):
         """Post a small write from the calling (event-loop) thread if that cannot wait (no lock that another
         call may hold across network I/O or a large copy); None, with nothing posted, sends the write
         through the engine's driver thread."""
+        ...
+
+    def try_extend_inline(self, handle: TransferHandle, blocks: Blocks) -> bool:
+        """Post ``blocks`` from the event loop as more entries of ``handle``, a write this engine posted from
+        the loop whose ``growing`` is set, under the same conditions as :meth:`try_submit_inline`; the handle's
+        ``entries`` and ``nbytes`` grow by what was posted. False, with nothing posted, when that could wait
+        or the engine cannot grow a handle: the slice is then posted as a write of its own. One handle polled
+        for a whole write, instead of one per slice, is what makes slicing cheap (a streamed Mooncake layer of
+        512 entries: 8 handles cost about 1 ms of loop CPU more than one, measured on 2 vCPUs)."""
         ...
 
     @property
@@ -267,6 +281,10 @@ class EngineBase:
     def try_submit_inline(self, peer: str, blocks: Blocks) -> TransferHandle | None:
         """Default: never inline; every write goes through the engine's driver thread."""
         return None
+
+    def try_extend_inline(self, handle: TransferHandle, blocks: Blocks) -> bool:
+        """Default: a handle never grows; each slice is a write of its own."""
+        return False
 
     def reach(self, peer: str, timeout: float) -> None:
         """Default: nothing to check before ``connect``."""

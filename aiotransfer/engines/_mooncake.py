@@ -103,7 +103,8 @@ running: the write cannot end before they do, and a failure among them dooms the
 class _Entries:
     """A write's entry ids in posting order: the first ``head`` have ended, and so have those at the indices
     in ``ended`` (beyond ``head``). ``check`` asks from ``head`` on, so a round costs the window plus the
-    entries that ended since the last, however long the write."""
+    entries that ended since the last, however long the write. The ids of a growing write's later slices are
+    appended as they are posted (``try_extend_inline``)."""
 
     __slots__ = ("ended", "head", "ids")
 
@@ -543,6 +544,27 @@ class MooncakeEngine(EngineBase):
         finally:
             s.gate.leave()
 
+    def try_extend_inline(self, handle: TransferHandle, blocks: Blocks) -> bool:
+        """More entries of a growing write, posted from the loop under the conditions of
+        :meth:`try_submit_inline`; their ids join the handle's (see :class:`_Entries`). An entry the engine
+        refuses dooms the handle; those posted before it stay in the handle."""
+        s = self._shared
+        name = s.names.get(handle.peer, handle.peer)
+        if (len(blocks) > _INLINE_ENTRIES or not handle.growing or handle.consumed or handle.doomed is not None
+                or name not in s.opened or not s.gate.enter()):
+            return False
+        try:
+            ids = self._post(name, blocks)
+        finally:
+            s.gate.leave()
+        entries: _Entries = handle.token
+        entries.ids.extend(ids)
+        handle.entries += len(ids)
+        handle.nbytes += int(blocks.length[: len(ids)].sum())
+        if len(ids) < len(blocks):
+            handle.doom(f"Mooncake refused entry {handle.entries} of a write to {handle.peer} (peer unreachable)")
+        return True
+
     def submit_write(self, peer: str, blocks: Blocks) -> TransferHandle:
         """Driver thread. A peer whose segment the engine has not opened is opened first, as ``connect``
         does (bounded first contact, then the engine's own)."""
@@ -562,11 +584,8 @@ class MooncakeEngine(EngineBase):
         multi-entry batch is answered by ``get_batch_transfer_status``, whose -1 may come while entries still
         run, after which the batch can never be asked again; see docs/engines.md). An entry the engine
         refuses after others were posted dooms the handle, which ends once those are over."""
-        submit = self._shared.native.transfer_submit_write
         n = len(blocks)
-        # one native call per entry, looped in C; the first refusal (0) ends the posting
-        posted = map(submit, repeat(name, n), blocks.src.tolist(), blocks.dst.tolist(), blocks.length.tolist())
-        ids = list(takewhile(bool, posted))
+        ids = self._post(name, blocks)
         handle = TransferHandle(token=_Entries(ids), peer=peer, entries=n, nbytes=blocks.nbytes)
         if len(ids) < n:
             refused = f"Mooncake refused entry {len(ids)} of a {n}-entry write to {peer} (peer unreachable)"
@@ -574,6 +593,14 @@ class MooncakeEngine(EngineBase):
                 raise EngineError(refused)
             handle.doom(refused)
         return handle
+
+    def _post(self, name: str, blocks: Blocks) -> list[int]:
+        """The ids of the entries posted, in order: one native call per entry, looped in C; the first refusal
+        (0) ends the posting."""
+        submit = self._shared.native.transfer_submit_write
+        n = len(blocks)
+        posted = map(submit, repeat(name, n), blocks.src.tolist(), blocks.dst.tolist(), blocks.length.tolist())
+        return list(takewhile(bool, posted))
 
     def check(self, handle: TransferHandle) -> EngineStatus:
         """Asks the entries in posting order, from the oldest not ended, and stops once ``_CHECK_WINDOW`` are
@@ -613,7 +640,7 @@ class MooncakeEngine(EngineBase):
                 ended.add(j)
             j += 1
         entries.head = head
-        if head < n:
+        if head < n or handle.growing:
             return EngineStatus.PENDING
         if handle.doomed is not None:
             return handle.finish(EngineStatus.FAILED, handle.doomed)

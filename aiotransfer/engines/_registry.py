@@ -53,7 +53,8 @@ def create_engine(config: TransferConfig) -> TransferEngine:
     return engine
 
 
-_OPTIONAL_MEMBERS = ("traits", "probe_region", "credit_scope", "try_submit_inline", "reach", "abandon")
+_OPTIONAL_MEMBERS = ("traits", "probe_region", "credit_scope", "try_submit_inline", "try_extend_inline", "reach",
+                     "abandon")
 """Protocol members with defaults in ``EngineBase``: an adapter written before they existed lacks them."""
 
 

@@ -291,6 +291,14 @@ def test_floor_phase_tiny_on_mooncake(tmp_path: Path) -> None:
     text = (tmp_path / "floor.md").read_text()
     assert "room / floor" in text and "request_in -> ready" in text
     assert "The floor of a small room" in proc.stdout
+    # a trace run with other sizes (``SIZES`` widened to 8 MiB) gets a column per size it ran
+    from benchmarks.suite import floor_report
+
+    first = str(min(SIZES))
+    fl["sizes"] = {"8388608": {**fl["sizes"][first], "bytes": 8388608}, first: fl["sizes"][first]}
+    md = floor_report.markdown(res).splitlines()
+    header = next(line for line in md if line.startswith("| engine | stage | where"))
+    assert header == f"| engine | stage | where | {min(SIZES) // 1024} KiB | 8 MiB |", header
 
 
 def test_trace_records_only_while_on() -> None:

@@ -35,7 +35,9 @@ def _rows(res: dict[str, Any]) -> tuple[list[list[str]], list[list[str]], list[l
     figures = [["engine", "size", "ZMQ round trip p50 / p90 (us)", "raw write p50 / p90 (us)", "floor p50 (us)",
                 "room p50 / p90 (us)", "room / floor, p50 (p90)", "ZMQ round trip with yield (us)",
                 "room traced p50 (us)"]]
-    stages = [["engine", "stage", "where", *(_size(int(s)) for s in ("4096", "65536", "1048576"))]]
+    columns = sorted({int(v["bytes"]) for _, r in _floors(res) for v in r["sizes"].values()})
+    """The sizes the trace ran (``floor.SIZES`` of the run), one column each."""
+    stages = [["engine", "stage", "where", *(_size(n) for n in columns)]]
     threads = [["engine", "process", "thread", "voluntary / involuntary switches per room"]]
     for key, r in _floors(res):
         label = _LABELS.get(key, key)
@@ -49,10 +51,10 @@ def _rows(res: dict[str, Any]) -> tuple[list[list[str]], list[list[str]], list[l
         path_len = len(sizes[0]["stages"]["path"])
         for i, (a, b, where) in enumerate(segs):
             name = f"{a} -> {b}" + ("" if i < path_len else " (off the path)")
-            cells = [_us(by_size[s][(a, b)]) if s in by_size else "-" for s in ("4096", "65536", "1048576")]
+            cells = [_us(by_size[str(n)][(a, b)]) if str(n) in by_size else "-" for n in columns]
             stages.append([label, name, where, *cells])
         total = {str(v["bytes"]): _us(v["stages"]["total"]) for v in sizes}
-        totals = [total.get(s, "-") for s in ("4096", "65536", "1048576")]
+        totals = [total.get(str(n), "-") for n in columns]
         stages.append([label, "total (start -> end)", "", *totals])
         for side in ("decode", "prefill"):
             for name, (vol, inv) in sorted(r.get("switches_per_room", {}).get(side, {}).items()):

@@ -46,7 +46,7 @@ async def test_single_send_is_byte_exact(prefill: KVManager, decode: RemotePeer)
 
 @contextlib.asynccontextmanager
 async def scattered_room(
-    engine: str, decode: RemotePeer, room: int, n: int, staging: str, seed: int
+    engine: str, decode: RemotePeer, room: int, n: int, staging: str, seed: int, **config: object
 ) -> AsyncIterator[tuple[KVManager, KVSender, list[np.ndarray], list[int], list[int]]]:
     """A prefill manager in this process with a 1 MiB staging arena (many pieces), and a room of ``n``
     scattered pages on each side, ready to send."""
@@ -54,7 +54,7 @@ async def scattered_room(
     from tests.peer import make_buffers
 
     bufs = make_buffers(GEOMETRY["buffers"], PAGES, GEOMETRY["item_len"], seed=seed)
-    cfg = TransferConfig(engine=engine, staging=staging, staging_bytes=1 << 20)
+    cfg = TransferConfig(engine=engine, staging=staging, staging_bytes=1 << 20, **config)  # type: ignore[arg-type]
     async with KVManager(KVArgs(bufs, page_size=16, dtype="uint8"), cfg) as mgr:
         rng = np.random.default_rng(seed)
         dst, src = scattered(rng, n), scattered(rng, n)
@@ -78,6 +78,19 @@ async def test_scattered_pages_direct_and_staged(engine: str, decode: RemotePeer
         else:
             assert stats.get("staged_pieces", 0) == 0
             assert stats["kv_entries_sent"] >= 4 * 190  # one entry per page run per buffer
+
+
+async def test_a_write_of_more_entries_than_the_peers_credit_is_byte_exact(engine: str, decode: RemotePeer) -> None:
+    """Hundreds of entries against a credit of 96 a peer: on Mooncake the loop posts the write 64 entries a turn
+    into one growing handle, which stops growing where the credit runs out and ends to give it back; the
+    rest follows as further handles."""
+    async with scattered_room(engine, decode, 13, 200, "never", seed=78, max_entries_in_flight=96) as (
+        mgr, tx, bufs, src, dst,
+    ):
+        await asyncio.wait_for(tx.send_kv(src), 20)
+        await decode.call("done", room=13)
+        assert (await decode.call("digest", pages=dst))["digest"] == expected_digest(bufs, src)
+        assert mgr.stats()["kv_entries_sent"] >= 4 * 190
 
 
 async def test_chunked_send_fills_consecutive_slices(prefill: KVManager, decode: RemotePeer) -> None:

@@ -225,7 +225,9 @@ class Poller:
         A write of more entries than the engine's ``traits.inline_slice`` is posted in slices of that size,
         each from the loop when the engine takes it there, yielding to other tasks between them: an engine
         whose native post takes one call per entry (Mooncake) would otherwise make its driver thread take the
-        GIL back once per entry, each time behind a turn of the (busy) event loop.
+        GIL back once per entry, each time behind a turn of the (busy) event loop. The slices after the first
+        join its handle while the engine takes them (``try_extend_inline``) and the peer's credit lasts, so one
+        handle is polled for the write; a slice that must wait for credit first lets that handle end.
 
         ``guard``: the room the write belongs to. Right before each engine submission ``guard.admit()`` is
         asked (a room that failed or was released while this write waited for planning or credit posts

@@ -62,8 +62,6 @@ def _blocks(n: int) -> Any:
 
 
 def test_a_mooncake_write_of_a_few_entries_is_done_once_every_entry_is() -> None:
-    from aiotransfer.engines._base import EngineStatus
-
     native = _Native()
     engine = _mooncake_over(native)
     handle = engine.submit_write("peer", _blocks(3))
@@ -77,8 +75,6 @@ def test_a_mooncake_write_of_a_few_entries_is_done_once_every_entry_is() -> None
 
 
 def test_a_mooncake_entry_refused_after_others_were_posted_fails_the_write_only_once_they_are_over() -> None:
-    from aiotransfer.engines._base import EngineStatus
-
     native = _Native(refuse=(2,))
     engine = _mooncake_over(native)
     handle = engine.submit_write("peer", _blocks(4))  # entries 0 and 1 are posted: it must not raise
@@ -94,8 +90,6 @@ def test_a_mooncake_entry_refused_after_others_were_posted_fails_the_write_only_
 
 
 def test_a_mooncake_entry_that_fails_fails_the_write_once_every_entry_is_over() -> None:
-    from aiotransfer.engines._base import EngineStatus
-
     native = _Native()
     engine = _mooncake_over(native)
     handle = engine.submit_write("peer", _blocks(2))
@@ -108,8 +102,6 @@ def test_a_mooncake_entry_that_fails_fails_the_write_once_every_entry_is_over() 
 def test_a_mooncake_timeout_is_not_an_end() -> None:
     """-2 (TIMEOUT): the entry still runs and its id stays valid. The handle is doomed at once and asked again;
     it ends only when the entry does, here by completing late (a stopped peer resumed)."""
-    from aiotransfer.engines._base import EngineStatus
-
     native = _Native()
     engine = _mooncake_over(native)
     handle = engine.submit_write("peer", _blocks(2))
@@ -309,13 +301,8 @@ def test_mooncake_posts_from_the_loop_only_while_no_handshake_can_hold_the_engin
     assert engine.try_submit_inline("peer", _blocks(2)) is not None
 
 
-def test_a_mooncake_write_of_many_entries_asks_only_its_oldest_running_ones() -> None:
-    """A round asks entries in posting order and stops at ``_CHECK_WINDOW`` still running (a write of a thousand
-    entries must not cost a thousand status calls per poll); ended entries are never asked again."""
-    from aiotransfer.engines._base import EngineStatus
-
-    native = _Native()
-    engine = _mooncake_over(native)
+def _asked(native: _Native) -> list[int]:
+    """The ids ``native`` is asked about from now on, in order."""
     asked: list[int] = []
     check = native.transfer_check_status
 
@@ -324,6 +311,15 @@ def test_a_mooncake_write_of_many_entries_asks_only_its_oldest_running_ones() ->
         return check(bid)
 
     native.transfer_check_status = counting  # type: ignore[method-assign]
+    return asked
+
+
+def test_a_mooncake_write_of_many_entries_asks_only_its_oldest_running_ones() -> None:
+    """A round asks entries in posting order and stops at ``_CHECK_WINDOW`` still running (a write of a thousand
+    entries must not cost a thousand status calls per poll); ended entries are never asked again."""
+    native = _Native()
+    engine = _mooncake_over(native)
+    asked = _asked(native)
     n, window = 40, mc._CHECK_WINDOW
     handle = engine.submit_write("peer", _blocks(n))
     assert engine.check(handle) is EngineStatus.PENDING and len(asked) == window
@@ -340,18 +336,9 @@ def test_a_mooncake_write_of_many_entries_asks_only_its_oldest_running_ones() ->
 def test_a_mooncake_round_costs_the_window_whatever_the_length_of_the_write() -> None:
     """Entries that end out of order are never asked again, and a round over a write of 2,000 entries asks
     the window of running entries plus those that ended since the last round, not every entry before them."""
-    from aiotransfer.engines._base import EngineStatus
-
     native = _Native()
     engine = _mooncake_over(native)
-    asked: list[int] = []
-    check = native.transfer_check_status
-
-    def counting(bid: int) -> int:
-        asked.append(bid)
-        return check(bid)
-
-    native.transfer_check_status = counting  # type: ignore[method-assign]
+    asked = _asked(native)
     n, window = 2000, mc._CHECK_WINDOW
     handle = engine.submit_write("peer", _blocks(n))
     native.end(101)  # ends out of order, inside the window

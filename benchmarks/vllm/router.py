@@ -19,7 +19,6 @@ import dataclasses
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,17 +33,12 @@ from aiotransfer._cli.files import write_json
 
 from .. import ROOT
 from .model import BENCH, make_tiny_llama
+from .spec import free_port
 
 __all__ = ["run_router_bench"]
 
 MODEL = "bench"
 MODES = ("single", "serial", "concurrent")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _get(url: str, timeout: float = 2.0) -> int:
@@ -116,7 +110,7 @@ def run_router_bench(ns: argparse.Namespace, workdir: str) -> int:
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     env.update(VLLM_HOST_IP="127.0.0.1", UCX_NET_DEVICES="lo", MC_LOG_LEVEL="WARNING", HF_HUB_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", PYTHONPATH=ROOT)
-    ports = {name: _free_port() for name in ("prefill", "decode", "serial", "concurrent")}
+    ports = {name: free_port() for name in ("prefill", "decode", "serial", "concurrent")}
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     servers: dict[str, subprocess.Popen[bytes]] = {}
     with contextlib.ExitStack() as stack:

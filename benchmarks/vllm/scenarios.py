@@ -11,7 +11,6 @@ import contextlib
 import os
 import random
 import signal
-import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .engine import Engine, start_engines
-from .spec import EngineSpec
+from .spec import EngineSpec, free_port
 
 __all__ = ["PREFILL_PARAMS", "Options", "Pair", "engine_spec", "decode_abort", "engine_peaks", "kill_prefill", "make_prompts", "pd", "single"]
 
@@ -52,12 +51,6 @@ def make_prompts(seed: int, lengths: Sequence[int], vocab: int = 1024) -> list[l
     """Random token ids (3..vocab-1: no BOS/EOS), one prompt per length, the same for the same seed."""
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def engine_spec(opts: Options, name: str, kind: str, role: str | None, **over: Any) -> EngineSpec:

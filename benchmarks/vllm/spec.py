@@ -4,10 +4,12 @@
 
 from __future__ import annotations
 
+import random
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["KINDS", "EngineSpec", "engine_env", "kv_transfer_config"]
+__all__ = ["KINDS", "EngineSpec", "engine_env", "free_port", "kv_transfer_config"]
 
 _AIOTRANSFER_KINDS = ("aiotransfer-mooncake", "aiotransfer-nixl", "aiotransfer-nixl-spin")
 _SUFFIXES = ("-whole", "-nochunks")
@@ -86,3 +88,28 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(spec.omp_cpu)
     env.update(spec.env)
     return env
+
+
+_LISTEN_PORTS = (20000, 32000)
+"""Ports for the engines' listening sockets, below Linux's ephemeral range (32768-60999 by default): a port the
+kernel handed out as free there may be taken by any outgoing connection before the engine binds it."""
+_HANDED_OUT: set[int] = set()
+
+
+def free_port() -> int:
+    """A port no socket of this host listens on, outside the ephemeral range, never handed out twice here."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(*_LISTEN_PORTS)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

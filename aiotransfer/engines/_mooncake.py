@@ -560,7 +560,7 @@ class MooncakeEngine(EngineBase):
         entries: _Entries = handle.token
         entries.ids.extend(ids)
         handle.entries += len(ids)
-        handle.nbytes += int(blocks.length[: len(ids)].sum())
+        handle.nbytes += blocks.nbytes if len(ids) == len(blocks) else int(blocks.length[: len(ids)].sum())
         if len(ids) < len(blocks):
             handle.doom(f"Mooncake refused entry {handle.entries} of a write to {handle.peer} (peer unreachable)")
         return True

@@ -370,12 +370,13 @@ def test_cpu_phase_tiny_on_both_engines(tmp_path: Path) -> None:
         cpu = res["engines"][key]["phases"]["cpu"]
         assert set(res["engines"][key]["phases"]) == {"cpu"} and "error" not in cpu, cpu.get("error")
         calls = cpu["calls"]
-        assert set(calls) == {f"send_kv:{n}" for n in p["cpu_pages"]} | {"send_layers"}
+        assert set(calls) == {f"send_kv:{n}" for n in p["cpu_pages"]} | {"send_layers", "send_layers_contiguous"}
         for n, reps in zip(p["cpu_pages"], p["cpu_reps"], strict=True):
             c = calls[f"send_kv:{n}"]
             assert c["entries"] == n * p["cpu_buffers"] and c["library"]["n"] == c["raw"]["n"] == reps
-        lay = calls["send_layers"]
+        lay, run = calls["send_layers"], calls["send_layers_contiguous"]
         assert lay["entries"] == 2 * p["cpu_layer_pages"] and lay["library"]["n"] >= p["cpu_layer_reps"]
+        assert run["entries"] == 2 and run["contiguous"] and run["library"]["n"] >= p["cpu_layer_reps"]
         for c in calls.values():
             lib, raw = c["library"], c["raw"]
             assert lib["library_us"] > 0 and lib["loop_us"] > 0 and lib["wall_us"] > 0

@@ -11,7 +11,10 @@ The calls, each timed alone after ``cpu_gap`` of idle:
 * ``send_kv`` of each of ``cpu_pages`` pages, one room per call (the decode posts the room first, outside the
   measurement); the largest also with its pages given as a Python list instead of a NumPy array;
 * ``send_layers`` of one layer (2 buffers) of a streamed chunk of ``cpu_layer_pages`` pages, the layers sent
-  one after the other; the call that sends a chunk's last layer (and concludes the room) is kept apart.
+  one after the other; the call that sends a chunk's last layer (and concludes the room) is kept apart;
+* the same for a chunk of as many contiguous pages on both sides (pages past the scattered ones), which
+  coalesce into one entry per buffer: a layer is then 2 entries, and what it costs above the raw engine is
+  the library's own cost per layer, the shape of a layer on a GPU (a few large entries).
 
 Library CPU of a call = the event loop thread's CPU time (``time.thread_time``) plus the CPU time of the
 library's threads (the engine's driver ``aiotransfer-driver-*``, the offload executor ``aiotransfer-*``), read
@@ -244,13 +247,14 @@ def _layer_blocks(blocks: Blocks, bases: list[int], layers: int) -> list[Blocks]
     return out
 
 
-async def _layers_case(run: _Run, src: I64, dst: I64, reps: int) -> dict[str, Any]:
+async def _layers_case(run: _Run, src: I64, dst: I64, reps: int, contiguous: bool = False) -> dict[str, Any]:
     ctx, mgr, n = run.ctx, run.mgr, int(src.size)
     layers = ctx.params.cpu_buffers // 2
     per_layer = _layer_blocks(mgr.plan_transfer(run.f.endpoint, src, dst, staging=False).blocks,
                               run.f.pools[0].bases, layers)
-    if any(len(b) != 2 * n for b in per_layer):
-        raise RuntimeError(f"cpu: expected {2 * n} entries per layer, got {[len(b) for b in per_layer]}")
+    entries = 2 if contiguous else 2 * n
+    if any(len(b) != entries for b in per_layer):
+        raise RuntimeError(f"cpu: expected {entries} entries per layer, got {[len(b) for b in per_layer]}")
     samples: dict[str, list[dict[str, int]]] = {"library": [], "raw": [], "last": []}
     posted: list[int] = []
     calls = 0
@@ -279,15 +283,17 @@ async def _layers_case(run: _Run, src: I64, dst: I64, reps: int) -> dict[str, An
 
     await chunk(False)
     await ctx.verify("cpu", TAG, dst, what=f"cpu: send_layers of {n} pages and raw layer writes")
-    if any(p != 2 * n for p in posted):
-        raise RuntimeError(f"cpu: send_layers posted {sorted(set(posted))} entries per call, expected {2 * n}")
+    if any(p != entries for p in posted):
+        raise RuntimeError(f"cpu: send_layers posted {sorted(set(posted))} entries per call, expected {entries}")
     while len(samples["library"]) < reps:
         await chunk(True)
     await ctx.verify("cpu", TAG, dst, what=f"cpu: send_layers of {n} pages (timed)")
     lib, raw = _summary(samples["library"], _LIB_KEYS), _summary(samples["raw"], _RAW_KEYS)
-    await ctx.progress(f"cpu: send_layers of one layer, {n} pages ({2 * n} entries): library {lib['library_us']:.0f} "
-                       f"us, raw {raw['raw_us']:.0f} us of CPU per call")
-    return {"call": "send_layers", "pages": n, "layer_buffers": 2, "entries": 2 * n, "layers": layers,
+    kind = "contiguous " if contiguous else ""
+    await ctx.progress(f"cpu: send_layers of one layer, {n} {kind}pages ({entries} entries): library "
+                       f"{lib['library_us']:.0f} us, raw {raw['raw_us']:.0f} us of CPU per call")
+    return {"call": "send_layers", "pages": n, "contiguous": contiguous, "layer_buffers": 2, "entries": entries,
+            "layers": layers,
             "reps": len(samples["library"]), "library": lib, "raw": raw, **_compare(lib, raw),
             "last_call": _summary(samples["last"], _LIB_KEYS)}
 
@@ -329,7 +335,7 @@ async def phase_cpu(ctx: Ctx) -> dict[str, Any]:
     p = ctx.params
     nbuf, pb = p.cpu_buffers, p.cpu_page_bytes
     top = max(*p.cpu_pages, p.cpu_layer_pages)
-    f = await ctx.flat("cpu", pages=2 * top, page_bytes=pb, nbuf=nbuf, num_layers=nbuf // 2,
+    f = await ctx.flat("cpu", pages=2 * top + p.cpu_layer_pages, page_bytes=pb, nbuf=nbuf, num_layers=nbuf // 2,
                        cfgs=[{"staging": "never"}])
     try:
         src_all: I64 = np.arange(top, dtype=np.int64) * 2
@@ -343,13 +349,16 @@ async def phase_cpu(ctx: Ctx) -> dict[str, Any]:
             calls[f"send_kv:{n}"] = await _send_kv_case(run, src_all[:n], dst_all[:n], reps, n == biggest)
         n = p.cpu_layer_pages
         calls["send_layers"] = await _layers_case(run, src_all[:n], dst_all[:n], p.cpu_layer_reps)
+        run_pages: I64 = np.arange(2 * top, 2 * top + n, dtype=np.int64)
+        await ctx.off(fill_pages, f.pools[0], TAG, run_pages)
+        calls["send_layers_contiguous"] = await _layers_case(run, run_pages, run_pages, p.cpu_layer_reps, True)
         tx, room = await run.room(dst_all[:biggest])
         await asyncio.sleep(run.gap)
         prof = await profile_call(run.mgr, lambda: tx.send_kv(src_all[:biggest], timeout=TIMEOUT))
         await run.collect(room)
         layer_prof = await _profile_layer(run, src_all[:n], dst_all[:n])
         return {
-            "buffers": nbuf, "page_bytes": pb, "pool_pages": 2 * top, "staging": "never",
+            "buffers": nbuf, "page_bytes": pb, "pool_pages": 2 * top + n, "staging": "never",
             "layout": "page i of a request: source page 2i, destination page 2i+1 (every other page on both sides: "
                       "one engine entry per page and buffer)",
             "window": run.window, "raw_pause_s": run.pause, "gap_s": run.gap,

@@ -32,7 +32,7 @@ def _n(x: float) -> str:
 
 def _label(c: dict[str, Any], listed: bool = False) -> str:
     if c["call"] == "send_layers":
-        return f"send_layers, 1 layer of {c['pages']:,} pages"
+        return f"send_layers, 1 layer of {c['pages']:,}{' contiguous' if c.get('contiguous') else ''} pages"
     pages = f"{c['pages']:,} page{'s' if c['pages'] != 1 else ''}"
     return f"send_kv {pages}" + (", as a list" if listed else "")
 

@@ -217,7 +217,7 @@ class KVManager:
             ctx.poller_or_none = Poller(
                 engine, ctx.driver, max_in_flight=cfg.max_entries_in_flight, max_batch=cfg.max_batch_entries,
                 interval_min=cfg.poll_interval_min, interval_max=cfg.poll_interval_max,
-                expire_after=cfg.quarantine_s,
+                expire_after=cfg.quarantine_s, fine_timer=cfg.fine_poll_timer,
             )
             ctx.control_or_none = self._make_control_plane()
             await ctx.control_or_none.start()

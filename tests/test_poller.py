@@ -14,7 +14,7 @@ from typing import cast
 import numpy as np
 import pytest
 
-from aiotransfer import _poller
+from aiotransfer import _finesleep, _poller
 from aiotransfer._driver import Driver
 from aiotransfer._plan import Blocks
 from aiotransfer._poller import Poller
@@ -68,14 +68,14 @@ def _one_entry(nbytes: int, entry: int = 32768) -> Blocks:
     return Blocks(np.array([4096], np.uint64), np.array([8192], np.uint64), np.array([nbytes], np.uint64))
 
 
-async def _checks_per_handle(count: int, nbytes: int, entry: int = 32768) -> tuple[float, int]:
+async def _checks_per_handle(count: int, nbytes: int, entry: int = 32768, fine: bool = False) -> tuple[float, int]:
     """Poll-loop ``check`` calls per in-flight handle during WATCH_S with ``count`` transfers of ``nbytes``,
     and the loop iterations in that time (a task that yields at every iteration counts them)."""
     engine = HeldEngine()
     driver = Driver("poller-test")
     poller = Poller(
         cast(TransferEngine, engine), driver, max_in_flight=1024, max_batch=1024, interval_min=0.0001,
-        interval_max=0.001, expire_after=60.0,
+        interval_max=0.001, expire_after=60.0, fine_timer=fine,
     )
     writes = [asyncio.ensure_future(poller.write("peer", _one_entry(nbytes, entry), timeout=10)) for _ in range(count)]
     try:
@@ -130,6 +130,37 @@ async def test_spins_only_while_little_is_queued(count: int, nbytes: int, entry:
         assert per_handle > 0.5 * ticks, (per_handle, ticks)
     else:
         assert per_handle <= timed_max and per_handle < 0.5 * ticks, (per_handle, ticks)
+
+
+@pytest.mark.skipif(_finesleep._TIMERFD is None, reason="no timerfd on this platform")
+async def test_a_fine_timer_polls_few_entries_below_the_loops_millisecond() -> None:
+    """The loop's own timers wake in whole milliseconds, so timed polls of a 64-entry write ask the engine about
+    once a millisecond; with ``fine_timer`` they ask at ``interval_min`` (0.1 ms, plus the wake-up). A write of
+    more than ``_FINE_ENTRIES`` keeps the loop's timers."""
+
+    async def checks(entries: int, fine: bool) -> int:
+        """``check`` calls on one held write before the back-off, the loop otherwise idle (a task that kept it turning
+        would have its timers looked at on every iteration, precisely)."""
+        engine, driver = HeldEngine(), Driver("poller-test")
+        poller = Poller(cast(TransferEngine, engine), driver, max_in_flight=1024, max_batch=1024,
+                        interval_min=0.0001, interval_max=0.001, expire_after=60.0, fine_timer=fine)
+        write = asyncio.ensure_future(poller.write("peer", _one_entry(-entries, 2048), timeout=10))
+        try:
+            await _until(lambda: poller.in_flight == 1)
+            before = engine.checks
+            await asyncio.sleep(0.8 * _poller._BACKOFF_AFTER)  # before timed polls back off
+            counted = engine.checks - before
+            engine.released = True
+            await asyncio.wait_for(write, 5)
+            return counted
+        finally:
+            await poller.aclose(1.0)
+            driver.close()
+
+    coarse, fine = await checks(64, False), await checks(64, True)
+    assert fine > 2 * coarse, (fine, coarse)
+    many_coarse, many_fine = await checks(512, False), await checks(512, True)
+    assert many_fine < 2 * many_coarse + 3 and many_fine < fine / 2, (many_fine, many_coarse, fine)
 
 
 def test_spin_thresholds_are_the_documented_ones() -> None:

@@ -93,6 +93,18 @@ async def test_a_write_of_more_entries_than_the_peers_credit_is_byte_exact(engin
         assert mgr.stats()["kv_entries_sent"] >= 4 * 190
 
 
+async def test_polls_on_a_fine_timer_are_byte_exact(engine: str, decode: RemotePeer) -> None:
+    """``fine_poll_timer``: chunks of scattered pages (a few dozen entries each, timed polls on a timerfd)."""
+    async with scattered_room(engine, decode, 14, 120, "never", seed=79, fine_poll_timer=True) as (
+        mgr, tx, bufs, src, dst,
+    ):
+        for lo in range(0, 120, 12):
+            await asyncio.wait_for(tx.send_kv(src[lo:lo + 12], last=lo + 12 >= 120), 20)
+        await decode.call("done", room=14)
+        assert (await decode.call("digest", pages=dst))["digest"] == expected_digest(bufs, src)
+        assert mgr.config.fine_poll_timer
+
+
 async def test_chunked_send_fills_consecutive_slices(prefill: KVManager, decode: RemotePeer) -> None:
     rng = np.random.default_rng(2)
     dst, src = scattered(rng, 100), scattered(rng, 100)

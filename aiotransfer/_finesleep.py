@@ -95,9 +95,9 @@ class FineSleep:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         if _TIMERFD is None:
             raise OSError("no timerfd on this platform")
-        self._make, self._arm = _TIMERFD
+        make, self._arm = _TIMERFD
         self._loop = loop
-        self._fd: int | None = self._make()
+        self._fd: int | None = make()
         self._waiter: asyncio.Future[None] | None = None
         try:
             loop.add_reader(self._fd, self._fired)
@@ -137,8 +137,11 @@ class FineSleep:
         os.close(fd)
 
 
-def fine_sleep(loop: asyncio.AbstractEventLoop) -> tuple[Callable[[float], Any], Callable[[], None]]:
-    """``(sleep, close)``: a :class:`FineSleep`'s where the platform has timerfd, else :func:`asyncio.sleep`."""
+def fine_sleep(loop: asyncio.AbstractEventLoop, enabled: bool = True) -> tuple[Callable[[float], Any], Callable[[], None]]:
+    """``(sleep, close)``: a :class:`FineSleep`'s where ``enabled`` and the platform has timerfd, else
+    :func:`asyncio.sleep` (and a ``close`` that does nothing)."""
+    if not enabled:
+        return asyncio.sleep, lambda: None
     try:
         timer = FineSleep(loop)
     except (OSError, NotImplementedError):  # no timerfd, or a loop that cannot watch descriptors

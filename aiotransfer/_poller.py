@@ -546,7 +546,7 @@ class Poller:
         self._finish(handle)
 
     async def _poll_loop(self) -> None:
-        nap, close_nap = fine_sleep(asyncio.get_running_loop()) if self.fine_timer else (asyncio.sleep, lambda: None)
+        nap, close_nap = fine_sleep(asyncio.get_running_loop(), self.fine_timer)
         try:
             await self._polling(nap)
         finally:

@@ -75,6 +75,7 @@ async def test_one_sleeper_at_a_time_a_cancelled_sleep_leaves_it_usable_and_clos
 
 
 async def test_without_timerfd_it_falls_back_to_the_loops_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert fine_sleep(asyncio.get_running_loop(), enabled=False)[0] is asyncio.sleep  # the knob off
     monkeypatch.setattr(_finesleep, "_TIMERFD", None)
     sleep, close = fine_sleep(asyncio.get_running_loop())
     assert sleep is asyncio.sleep

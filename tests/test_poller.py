@@ -68,15 +68,12 @@ def _one_entry(nbytes: int, entry: int = 32768) -> Blocks:
     return Blocks(np.array([4096], np.uint64), np.array([8192], np.uint64), np.array([nbytes], np.uint64))
 
 
-async def _checks_per_handle(count: int, nbytes: int, entry: int = 32768, fine: bool = False) -> tuple[float, int]:
+async def _checks_per_handle(count: int, nbytes: int, entry: int = 32768) -> tuple[float, int]:
     """Poll-loop ``check`` calls per in-flight handle during WATCH_S with ``count`` transfers of ``nbytes``,
     and the loop iterations in that time (a task that yields at every iteration counts them)."""
     engine = HeldEngine()
     driver = Driver("poller-test")
-    poller = Poller(
-        cast(TransferEngine, engine), driver, max_in_flight=1024, max_batch=1024, interval_min=0.0001,
-        interval_max=0.001, expire_after=60.0, fine_timer=fine,
-    )
+    poller = _held_poller(engine, driver)
     writes = [asyncio.ensure_future(poller.write("peer", _one_entry(nbytes, entry), timeout=10)) for _ in range(count)]
     try:
         while poller.in_flight < count:
@@ -142,8 +139,7 @@ async def test_a_fine_timer_polls_few_entries_below_the_loops_millisecond() -> N
         """``check`` calls on one held write before the back-off, the loop otherwise idle (a task that kept it turning
         would have its timers looked at on every iteration, precisely)."""
         engine, driver = HeldEngine(), Driver("poller-test")
-        poller = Poller(cast(TransferEngine, engine), driver, max_in_flight=1024, max_batch=1024,
-                        interval_min=0.0001, interval_max=0.001, expire_after=60.0, fine_timer=fine)
+        poller = _held_poller(engine, driver, fine=fine)
         write = asyncio.ensure_future(poller.write("peer", _one_entry(-entries, 2048), timeout=10))
         try:
             await _until(lambda: poller.in_flight == 1)
@@ -168,9 +164,10 @@ def test_spin_thresholds_are_the_documented_ones() -> None:
     assert _poller._BACKOFF_AFTER == 0.01
 
 
-def _held_poller(engine: HeldEngine, driver: Driver, max_batch: int = 1024, expire_after: float = 60.0) -> Poller:
+def _held_poller(engine: HeldEngine, driver: Driver, max_batch: int = 1024, expire_after: float = 60.0,
+                 fine: bool = False) -> Poller:
     return Poller(cast(TransferEngine, engine), driver, max_in_flight=1024, max_batch=max_batch,
-                  interval_min=0.0001, interval_max=0.001, expire_after=expire_after)
+                  interval_min=0.0001, interval_max=0.001, expire_after=expire_after, fine_timer=fine)
 
 
 async def test_on_done_runs_at_completion_before_the_writer_resumes() -> None:

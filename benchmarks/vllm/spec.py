@@ -110,6 +110,8 @@ def free_port() -> int:
                 continue
         _HANDED_OUT.add(port)
         return port
-    with socket.socket() as s:
+    with socket.socket() as s:  # the range is exhausted: any free port, still never handed out twice
         s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        port = int(s.getsockname()[1])
+    _HANDED_OUT.add(port)
+    return port

@@ -141,6 +141,13 @@ class TransferConfig:
     64 MiB shared out in pieces of 64 KiB, many small rooms each sending its last piece at once. A request
     held costs about 3 KiB (a task waiting for space, bounded by ``transfer_timeout``): about 3 MiB per prefill
     rank. A request beyond it is refused at once with the reason (``dropped_staging-over-cap``)."""
+    max_staging_share_per_room: float = 0.5
+    """Decode side: the most of our staging arena one room holds at once, granted to its pieces and not yet
+    scattered, all its prefill ranks together, as a share of ``staging_bytes`` (0.25 to 1). A piece is at
+    most a quarter of either arena (``piece_pages``), so a room always has room for one; a request that would
+    take the room past its share waits for space as it would for the arena's, bounded by
+    ``transfer_timeout``. So a room whose prefill falls silent holds at most this share, and the rest of the
+    arena serves the other rooms."""
     executor_threads: int = 2
     """Threads of the engine's offload executor; more spinning threads are slower on small hosts."""
     engine_threads: str = "normal"
@@ -257,6 +264,11 @@ class TransferConfig:
                 f"max_staging_requests_per_room ({self.max_staging_requests_per_room}) must not exceed "
                 f"max_staging_requests_per_peer ({self.max_staging_requests_per_peer}): a room's pieces are its "
                 "prefill rank's too"
+            )
+        if not 0.25 <= self.max_staging_share_per_room <= 1.0:
+            raise ConfigError(
+                f"max_staging_share_per_room must be between 0.25 and 1, got {self.max_staging_share_per_room!r}: "
+                "a staged piece may take a quarter of the arena"
             )
         if self.max_batch_entries > self.max_entries_in_flight:
             object.__setattr__(self, "max_batch_entries", self.max_entries_in_flight)

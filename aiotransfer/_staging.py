@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -102,6 +102,10 @@ class StagingArena:
         return self._view
 
     def try_acquire(self, n: int) -> int | None:
+        """The offset of ``n`` free bytes, now taken, or None while there are none. ``n`` must be > 0: a
+        size of zero or less would take no space, or grow a free run backwards over space already taken."""
+        if n <= 0:
+            raise InvalidArgument(f"staging piece of {n} bytes: a piece holds at least one byte")
         n = (n + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
         for i, (off, size) in enumerate(self._free):
             if size >= n:
@@ -113,12 +117,14 @@ class StagingArena:
                 return off
         return None
 
-    async def acquire(self, n: int, timeout: float) -> int:
-        if n > self.nbytes:
-            raise InvalidArgument(f"staging piece of {n} bytes exceeds the {self.nbytes}-byte arena")
+    async def acquire(self, n: int, timeout: float, admit: Callable[[], bool] | None = None) -> int:
+        """Take ``n`` bytes, waiting (at most ``timeout`` seconds) for them to be free and, given ``admit``,
+        for it to say yes: a caller's own share of the arena, which shrinks only as space comes back."""
+        if not 0 < n <= self.nbytes:
+            raise InvalidArgument(f"staging piece of {n} bytes does not fit the {self.nbytes}-byte arena")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while (off := self.try_acquire(n)) is None:
+        while (admit is not None and not admit()) or (off := self.try_acquire(n)) is None:
             self._changed.clear()
             remaining = deadline - loop.time()
             if remaining <= 0:
@@ -130,6 +136,8 @@ class StagingArena:
         return off
 
     def release(self, off: int, n: int) -> None:
+        if not (n > 0 and self.owns(off, n)):
+            raise InvalidArgument(f"staging release of [{off}, {off + n}) is outside the {self.nbytes}-byte arena")
         n = (n + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
         self.in_use -= n
         self._free.append((off, n))

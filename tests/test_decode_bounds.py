@@ -50,6 +50,8 @@ def _zero(t: mi.Type) -> Any:
         return None if any(isinstance(x, mi.NoneType) for x in t.types) else _zero(t.types[0])
     if isinstance(t, mi.StructType):
         return t.cls(**{f.name: _zero(f.type) for f in t.fields})
+    if isinstance(t, mi.IntType):
+        return max(0, t.ge or 0)
     zeros: dict[type, Any] = {mi.IntType: 0, mi.BoolType: False, mi.FloatType: 0.0, mi.StrType: "",
                               mi.BytesType: b"", mi.ListType: [], mi.DictType: {}}
     return zeros[type(t)]
@@ -121,6 +123,70 @@ def test_each_bound_takes_its_largest_value_and_refuses_one_more(
     with pytest.raises(ProtocolError, match="undecodable control message") as refused:
         m.decode(raw(build(bound + 1)))
     assert f"length <= {bound}" in str(refused.value)
+
+
+# -- every integer has a range --------------------------------------------------------------------------------
+
+def _integers(t: mi.Type, path: str, wrap: Build) -> Iterator[tuple[str, mi.IntType, Build]]:
+    """``(path, type, build)`` for every integer reachable from type ``t``, as :func:`_bounded` does lengths."""
+    if isinstance(t, mi.IntType):
+        yield path, t, wrap
+    elif isinstance(t, mi.ListType):
+        yield from _integers(t.item_type, f"{path}[]", lambda v: wrap([v]))
+    elif isinstance(t, mi.DictType):
+        yield from _integers(t.value_type, f"{path}{{}}", lambda v: wrap({"k": v}))
+    elif isinstance(t, mi.StructType):
+        base = _zero(t)
+
+        def setter(name: str) -> Build:
+            return lambda v: wrap(msgspec.structs.replace(base, **{name: v}))
+
+        for f in t.fields:
+            yield from _integers(f.type, f"{path}.{f.name}", setter(f.name))
+    elif isinstance(t, mi.UnionType):
+        for x in t.types:
+            yield from _integers(x, path, wrap)
+
+
+def _all_integers(message: Any) -> list[tuple[str, mi.IntType, Build]]:
+    union = mi.type_info(message)
+    assert isinstance(union, mi.UnionType)
+    return [i for s in union.types if isinstance(s, mi.StructType) for i in _integers(s, s.cls.__name__, lambda v: v)]
+
+
+INTEGERS = _all_integers(m.Message)
+
+
+def test_every_integer_of_every_message_has_a_range() -> None:
+    """Sizes, offsets, indices, counts, ids: a peer's integer means something only within its range, and the
+    decoder holds it there before any handler reads it."""
+    unranged = [path for path, t, _ in INTEGERS if t.ge is None and t.gt is None]
+    assert not unranged, f"integers without a lower bound (Annotated[int, msgspec.Meta(ge=...)]): {unranged}"
+    assert len(INTEGERS) > 80
+    # the negative control: the staging request as it was declared before its fields had ranges
+    before = _all_integers(_UnrangedStageRequest | m.Ping)
+    assert [path for path, t, _ in before if t.ge is None] == ["_UnrangedStageRequest.req_id",
+                                                               "_UnrangedStageRequest.nbytes"]
+
+
+@pytest.mark.parametrize(("path", "t", "build"), [i for i in INTEGERS if i[1].ge is not None],
+                         ids=[i[0] for i in INTEGERS if i[1].ge is not None])
+def test_each_integer_takes_its_range_and_refuses_one_below_and_above(path: str, t: mi.IntType, build: Build) -> None:
+    raw = msgspec.msgpack.encode
+    assert t.ge is not None
+    msgspec.msgpack.decode(raw(build(t.ge)), type=m.Message)
+    with pytest.raises(ProtocolError, match="undecodable control message"):
+        m.decode(raw(build(t.ge - 1)))
+    top = t.le if t.le is not None else None if t.lt is None else t.lt - 1
+    if top is not None:
+        msgspec.msgpack.decode(raw(build(top)), type=m.Message)
+        with pytest.raises(ProtocolError, match="undecodable control message"):
+            m.decode(raw(build(top + 1)))
+
+
+class _UnrangedStageRequest(msgspec.Struct, tag="stage_req"):
+    req_id: int
+    nbytes: int
 
 
 def test_a_long_reason_is_cut_when_sent_not_refused_when_received() -> None:
@@ -245,9 +311,9 @@ def _largest_legitimate() -> dict[str, m.Message]:
             staging=specs[0], dtype="d" * m.MAX_NAME, kv_device="v" * m.MAX_NAME, head_order="o" * m.MAX_NAME),
         "aux": m.AuxData(room=1, buffer=1 << 30, index=1 << 30, data=b"\xff" * m.MAX_AUX_BYTES, endpoint=endpoint),
         "topology": m.Topology(version=m.PROTOCOL_VERSION, nonce=1 << 62, ready=True, reason="r" * m.MAX_REASON,
-                               ranks=[m.RankEndpoint(4095, 1 << 20, 1 << 20, 1 << 20, endpoint)] * m.MAX_RANKS,
+                               ranks=[m.RankEndpoint(4095, m.MAX_RANKS - 1, m.MAX_RANKS - 1, m.MAX_RANKS - 1, endpoint)] * m.MAX_RANKS,
                                redirect=endpoint),
-        "status": m.Status(room=1, status=4, rank=1 << 20, endpoint=endpoint, reason="r" * m.MAX_REASON,
+        "status": m.Status(room=1, status=4, rank=m.MAX_RANKS - 1, endpoint=endpoint, reason="r" * m.MAX_REASON,
                            aux_path="a" * m.MAX_NAME, checksum=2**32 - 1, slices=[1 << 30] * (6 * m.MAX_BUFFERS)),
     }
 

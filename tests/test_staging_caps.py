@@ -22,7 +22,8 @@ from tests.peer import digest
 from tests.test_room_reuse import STAGED, managers
 from tests.zmqtools import wait_until
 
-CAPS: dict[str, Any] = {"max_staging_requests_per_room": 8, "max_staging_requests_per_peer": 12}
+CAPS: dict[str, Any] = {"max_staging_requests_per_room": 8, "max_staging_requests_per_peer": 12,
+                        "max_staging_share_per_room": 1.0}
 FLOOD = 3000
 """Hand-made staging requests per room, in the name of the room's own prefill rank."""
 
@@ -150,6 +151,10 @@ def test_the_caps_are_validated() -> None:
             TransferConfig(**zero)
     with pytest.raises(ConfigError, match="must not exceed max_staging_requests_per_peer"):
         TransferConfig(max_staging_requests_per_room=65, max_staging_requests_per_peer=64)
+    for share in (0.2, 1.5, float("nan")):
+        with pytest.raises(ConfigError, match=r"max_staging_share_per_room must be between 0\.25 and 1"):
+            TransferConfig(max_staging_share_per_room=share)
+    assert TransferConfig.from_env({"AIOTRANSFER_MAX_STAGING_SHARE_PER_ROOM": "0.25"}).max_staging_share_per_room == 0.25
     cfg = TransferConfig()
     assert (cfg.max_staging_requests_per_room, cfg.max_staging_requests_per_peer, cfg.max_pending_per_peer) == (
         64, 1024, 4096)

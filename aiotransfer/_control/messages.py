@@ -44,6 +44,7 @@ __all__ = [
     "decode",
     "encode",
     "pack_indices",
+    "staged_shape",
     "unpack_indices",
 ]
 
@@ -87,16 +88,39 @@ _Endpoint = Annotated[str, msgspec.Meta(max_length=MAX_ENDPOINT)]
 _Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON)]
 _Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
 _Id = Annotated[str, msgspec.Meta(max_length=MAX_ID)]
-_Indices = Annotated[list[int], msgspec.Meta(max_length=MAX_ROOM_PAGES)]
+_Indices = Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]], msgspec.Meta(max_length=MAX_ROOM_PAGES)]
+"""Page or slot indices of a state kind (int32, like a request's page indices)."""
+
+# Value bounds of every integer a peer sends, checked by the decoder like the lengths: each alias says what
+# such a field means, and its range. Checks that depend on other fields (a rank below its size, a piece's
+# shape against its size) are :func:`validate`'s.
+_U63 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+"""An opaque non-negative number: a room, a registration generation, an incarnation, a nonce, a request id."""
+_Size = Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]
+"""Bytes, or an offset in bytes."""
+_Addr = Annotated[int, msgspec.Meta(ge=0)]
+"""An address in the sender's process (the decoder holds it to 64 bits)."""
+_Dim = Annotated[int, msgspec.Meta(ge=0, le=1 << 31)]
+"""A count or index of geometry: pages, rows, heads, bytes of a head, layers, a buffer index, a dimension."""
+_Unit = Annotated[int, msgspec.Meta(ge=1, le=1 << 31)]
+"""A count of at least one: tokens per page, buffers per layer."""
+_Ranks = Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)]
+"""A parallel group's size (TP, PP, CP, DP)."""
+_Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
+"""A rank in a parallel group (below its size: checked by :func:`validate`)."""
+_Slot = Annotated[int, msgspec.Meta(ge=-1, le=1 << 31)]
+"""An index, or -1 for none."""
+_Version = Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
+"""A protocol version."""
 
 
 class BufferSpec(msgspec.Struct, frozen=True, array_like=True):
     """One registered buffer as a peer sees it."""
 
-    ptr: int
-    nbytes: int
-    item_len: int
-    layer_id: int = -1
+    ptr: _Addr
+    nbytes: _Size
+    item_len: _Size
+    layer_id: _Slot = -1
 
 
 class StateSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -104,34 +128,34 @@ class StateSpec(msgspec.Struct, frozen=True, array_like=True):
 
     kind: _Name
     buffers: Annotated[list[BufferSpec], msgspec.Meta(max_length=MAX_BUFFERS)]
-    dims: Annotated[list[int], msgspec.Meta(max_length=MAX_DIMS)] = []
+    dims: Annotated[list[_Dim], msgspec.Meta(max_length=MAX_DIMS)] = []
 
 
 class Hello(msgspec.Struct, tag="hello", frozen=True):
     """Decode -> prefill, once per peer: who we are and where our memory is."""
 
-    version: int
+    version: _Version
     endpoint: _Endpoint
-    generation: int
+    generation: _U63
     engine: _Name
     session_id: _Id
     engine_info: Annotated[bytes, msgspec.Meta(max_length=MAX_ENGINE_INFO)]
-    probe_addr: int
+    probe_addr: _Addr
     compat: _Id
     kv: Annotated[list[BufferSpec], msgspec.Meta(max_length=MAX_BUFFERS)]
     aux: Annotated[list[BufferSpec], msgspec.Meta(max_length=MAX_BUFFERS)] = []
     state: Annotated[list[StateSpec], msgspec.Meta(max_length=MAX_STATE_KINDS)] = []
     layout: _Name = "layer_first"
-    tp_size: int = 1
-    tp_rank: int = 0
-    pp_size: int = 1
-    pp_rank: int = 0
-    kv_heads: int = 0
-    total_kv_heads: int = 0
-    page_size: int = 1
-    cp_size: int = 1
-    cp_rank: int = 0
-    outer: int = 1
+    tp_size: _Ranks = 1
+    tp_rank: _Rank = 0
+    pp_size: _Ranks = 1
+    pp_rank: _Rank = 0
+    kv_heads: _Dim = 0
+    total_kv_heads: _Dim = 0
+    page_size: _Unit = 1
+    cp_size: _Ranks = 1
+    cp_rank: _Rank = 0
+    outer: _Unit = 1
     staging: BufferSpec | None = None
     dtype: _Name = ""
     """The KV cache dtype (empty from peers that do not declare it)."""
@@ -139,116 +163,116 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     """Where the KV buffers live (``cpu``, ``cuda:0``...)."""
     head_order: _Name = "NHD"
     """Inside a page: token-major (``NHD``) or head-major (``HND``)."""
-    num_layers: int = 0
-    incarnation: int = 0
+    num_layers: _Dim = 0
+    incarnation: _U63 = 0
     """The registering manager's incarnation id (what its ``Pong`` reports; 0: not said)."""
 
 
 class HelloAck(msgspec.Struct, tag="hello_ack", frozen=True):
     """Prefill -> decode: accepted (and the engine can reach the decode) or refused with a reason."""
 
-    version: int
+    version: _Version
     endpoint: _Endpoint
-    generation: int
+    generation: _U63
     accepted: bool
     reason: _Reason = ""
     engine: _Name = ""
     session_id: _Id = ""
-    rank: int = 0
-    incarnation: int = 0
+    rank: _Rank = 0
+    incarnation: _U63 = 0
     """The answering manager's incarnation id (what its ``Pong`` reports; 0: not said)."""
 
 
 class TransferRequest(msgspec.Struct, tag="req", frozen=True):
     """Decode -> prefill, per room and target prefill rank: where the pages go."""
 
-    room: int
+    room: _U63
     endpoint: _Endpoint
-    generation: int
+    generation: _U63
     kv_indices: Annotated[bytes, msgspec.Meta(max_length=MAX_ROOM_PAGES * 4)]
-    aux_index: int = -1
+    aux_index: _Slot = -1
     state_indices: Annotated[dict[_Name, _Indices], msgspec.Meta(max_length=MAX_STATE_KINDS)] = {}
-    required_dst_info_num: int = 1
+    required_dst_info_num: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
     is_dummy: bool = False
-    num_tokens: int = -1
+    num_tokens: Annotated[int, msgspec.Meta(ge=-1, lt=1 << 62)] = -1
     """Tokens the room holds (-1: every declared page full); the prefill maps them onto its own pages."""
 
 
 class Status(msgspec.Struct, tag="status", frozen=True):
     """Prefill -> decode: a room's terminal status (Success=4 / Failed=0) with a reason."""
 
-    room: int
-    status: int
-    rank: int
+    room: _U63
+    status: Annotated[int, msgspec.Meta(ge=0, le=4)]
+    rank: _Rank
     endpoint: _Endpoint
     reason: _Reason = ""
     aux_path: _Name = ""
-    checksum: int = -1
+    checksum: Annotated[int, msgspec.Meta(ge=-1, lt=1 << 32)] = -1
     """CRC32 of every byte this rank wrote for the room, in canonical order (-1: not computed)."""
-    slices: Annotated[list[int], msgspec.Meta(max_length=6 * MAX_BUFFERS)] = []
+    slices: Annotated[list[_Dim], msgspec.Meta(max_length=6 * MAX_BUFFERS)] = []
     """For the checksum, per paired buffer: rows, heads, start, count, head_bytes and the decode buffer index."""
     register_again: bool = False
     """A refused request only (``Failed``): this prefill process does not know the decode registration the
     request names (it restarted, or forgot the decode). Nothing of the room was taken here: the decode
     registers again and resends the request with ``generation`` = the one it was sent with."""
-    generation: int = 0
+    generation: _U63 = 0
     """With ``register_again``: the registration generation of the refused request."""
 
 
 class AuxData(msgspec.Struct, tag="aux", frozen=True):
     """Prefill -> decode: aux bytes sent over the control channel (TCP path)."""
 
-    room: int
-    buffer: int
-    index: int
+    room: _U63
+    buffer: _Dim
+    index: _Dim
     data: Annotated[bytes, msgspec.Meta(max_length=MAX_AUX_BYTES)]
     endpoint: _Endpoint = ""
 
 
 class RankEndpoint(msgspec.Struct, frozen=True, array_like=True):
-    dp_rank: int
-    tp_rank: int
-    pp_rank: int
-    cp_rank: int
+    dp_rank: _Rank
+    tp_rank: _Rank
+    pp_rank: _Rank
+    cp_rank: _Rank
     endpoint: _Endpoint
 
 
 class RankRegister(msgspec.Struct, tag="rank_register", frozen=True):
     """Prefill rank -> bootstrap leader: here I am."""
 
-    version: int
+    version: _Version
     rank: RankEndpoint
-    tp_size: int
-    pp_size: int
-    cp_size: int
-    dp_size: int
+    tp_size: _Ranks
+    pp_size: _Ranks
+    cp_size: _Ranks
+    dp_size: _Ranks
     layout: _Name
-    total_kv_heads: int
-    page_size: int
+    total_kv_heads: _Dim
+    page_size: _Unit
 
 
 class TopologyQuery(msgspec.Struct, tag="topology_query", frozen=True):
     """Decode -> prefill leader: who are the prefill ranks?"""
 
-    version: int
+    version: _Version
     endpoint: _Endpoint
-    nonce: int
+    nonce: _U63
 
 
 class Topology(msgspec.Struct, tag="topology", frozen=True):
     """Prefill leader -> decode: the prefill topology (``ready`` once every rank registered)."""
 
-    version: int
-    nonce: int
+    version: _Version
+    nonce: _U63
     ready: bool
     reason: _Reason = ""
-    tp_size: int = 1
-    pp_size: int = 1
-    cp_size: int = 1
-    dp_size: int = 1
+    tp_size: _Ranks = 1
+    pp_size: _Ranks = 1
+    cp_size: _Ranks = 1
+    dp_size: _Ranks = 1
     layout: _Name = "layer_first"
-    total_kv_heads: int = 0
-    page_size: int = 1
+    total_kv_heads: _Dim = 0
+    page_size: _Unit = 1
     ranks: Annotated[list[RankEndpoint], msgspec.Meta(max_length=MAX_RANKS)] = []
     redirect: _Endpoint = ""
 
@@ -256,20 +280,20 @@ class Topology(msgspec.Struct, tag="topology", frozen=True):
 class StageRequest(msgspec.Struct, tag="stage_req", frozen=True):
     """Prefill -> decode: reserve ``nbytes`` of your staging arena for a piece of ``room``."""
 
-    room: int
+    room: _U63
     endpoint: _Endpoint
-    req_id: int
-    nbytes: int
+    req_id: _U63
+    nbytes: Annotated[int, msgspec.Meta(ge=1, lt=1 << 40)]
 
 
 class StageGrant(msgspec.Struct, tag="stage_grant", frozen=True):
     """Decode -> prefill: where to write the piece (or why not); ``offset`` into the staging arena the decode
     declared in its ``Hello``."""
 
-    room: int
+    room: _U63
     endpoint: _Endpoint
-    req_id: int
-    offset: int
+    req_id: _U63
+    offset: _Size
     granted: bool
     reason: _Reason = ""
 
@@ -283,19 +307,19 @@ class Staged(msgspec.Struct, tag="staged", frozen=True):
     With ``n_pages == nbytes == 0`` and no buffers, nothing was written: the granted space is handed back.
     """
 
-    room: int
+    room: _U63
     endpoint: _Endpoint
-    req_id: int
-    offset: int
-    nbytes: int
-    dst_start: int
-    n_pages: int
-    rows: int
-    heads: int
-    start: int
-    count: int
-    head_bytes: int
-    buffers: Annotated[list[int], msgspec.Meta(max_length=MAX_BUFFERS)]
+    req_id: _U63
+    offset: _Size
+    nbytes: _Size
+    dst_start: _Dim
+    n_pages: _Dim
+    rows: _Dim
+    heads: _Dim
+    start: _Dim
+    count: _Dim
+    head_bytes: _Dim
+    buffers: Annotated[list[_Dim], msgspec.Meta(max_length=MAX_BUFFERS)]
     stream: bool = False
     """A converted piece: tokens ``[dst_start, dst_start + n_pages)`` of the room, laid out (plane, token,
     head, byte) with heads ``[start, start+count)`` of ``heads``; the decode scatters it with its own
@@ -305,9 +329,9 @@ class Staged(msgspec.Struct, tag="staged", frozen=True):
 class StagedAck(msgspec.Struct, tag="staged_ack", frozen=True):
     """Decode -> prefill: a staged piece was scattered into the room's pages (or why not)."""
 
-    room: int
+    room: _U63
     endpoint: _Endpoint
-    req_id: int
+    req_id: _U63
     ok: bool
     reason: _Reason = ""
 
@@ -316,23 +340,23 @@ class Ping(msgspec.Struct, tag="ping", frozen=True):
     """Liveness probe; answered with :class:`Pong`."""
 
     endpoint: _Endpoint
-    nonce: int
-    incarnation: int = 0
+    nonce: _U63
+    incarnation: _U63 = 0
 
 
 class Pong(msgspec.Struct, tag="pong", frozen=True):
     endpoint: _Endpoint
-    nonce: int
-    incarnation: int = 0
+    nonce: _U63
+    incarnation: _U63 = 0
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):
     """Either direction: fail the room on the other side too."""
 
-    room: int
+    room: _U63
     endpoint: _Endpoint
     reason: _Reason
-    generation: int = 0
+    generation: _U63 = 0
 
 
 class Drained(msgspec.Struct, tag="drained", frozen=True):
@@ -343,9 +367,9 @@ class Drained(msgspec.Struct, tag="drained", frozen=True):
     they had sent (``EngineTraits.landing_grace_s``): the decode keeps the pages this long after the message
     arrives."""
 
-    room: int
+    room: _U63
     endpoint: _Endpoint
-    settle_ms: int = 0
+    settle_ms: Annotated[int, msgspec.Meta(ge=0, le=_MAX_SETTLE_MS)] = 0
 
 
 Message = (
@@ -433,14 +457,10 @@ def validate(msg: Message) -> None:
         if msg.n_pages == 0 and msg.nbytes == 0 and not msg.buffers:  # the granted space handed back unused
             _check(msg.offset >= 0 and msg.dst_start == 0, "bad staged piece")
             return
-        _check(msg.offset >= 0 and msg.nbytes > 0 and msg.dst_start >= 0 and msg.n_pages > 0, "bad staged piece")
-        _check(msg.rows > 0 and msg.heads > 0 and msg.count > 0 and msg.head_bytes > 0, "bad staged geometry")
-        _check(0 <= msg.start and msg.start + msg.count <= msg.heads, "bad staged head range")
-        _check((not msg.buffers if msg.stream else len(msg.buffers) > 0)
-               and all(b >= 0 for b in msg.buffers), "bad staged buffers")
-        per_buffer = msg.n_pages * msg.rows * msg.count * msg.head_bytes  # a stream: per plane, checked on scatter
-        _check(msg.nbytes % per_buffer == 0 if msg.stream else msg.nbytes == len(msg.buffers) * per_buffer,
-               "staged size does not match its geometry")
+        _check(msg.offset >= 0, "bad staged piece")
+        shape = staged_shape(msg)
+        if isinstance(shape, str):
+            raise ProtocolError(shape)
     elif isinstance(msg, (RankRegister, TopologyQuery, Topology)):
         _check(msg.version == PROTOCOL_VERSION, f"protocol version mismatch: {msg.version} != {PROTOCOL_VERSION}")
         if isinstance(msg, RankRegister):
@@ -448,6 +468,28 @@ def validate(msg: Message) -> None:
             _check(0 <= r.tp_rank < msg.tp_size and 0 <= r.pp_rank < msg.pp_size and 0 <= r.cp_rank < msg.cp_size,
                    "rank out of range")
             _check(0 <= r.dp_rank < msg.dp_size <= 4096, "bad dp rank")
+
+
+def staged_shape(msg: Staged) -> int | str:
+    """The bytes a staged piece's shape covers (a converted piece: per plane), or why the shape is malformed.
+
+    A piece is read from the arena by its shape, so the shape, not the size it declares, says what is read:
+    the two must agree (a converted piece's planes are the receiver's, so its size is a whole number of them,
+    checked against its tokens where it is scattered). The grantor checks this again where it reads, against
+    the space it granted."""
+    if msg.nbytes <= 0 or msg.dst_start < 0 or msg.n_pages <= 0:
+        return "bad staged piece"
+    if msg.rows <= 0 or msg.heads <= 0 or msg.count <= 0 or msg.head_bytes <= 0:
+        return "bad staged geometry"
+    if not (0 <= msg.start and msg.start + msg.count <= msg.heads):
+        return "bad staged head range"
+    if (msg.buffers if msg.stream else not msg.buffers) or min(msg.buffers, default=0) < 0:
+        return "bad staged buffers"
+    per_buffer = msg.n_pages * msg.rows * msg.count * msg.head_bytes
+    if msg.stream:
+        return per_buffer if msg.nbytes % per_buffer == 0 else "staged size does not match its geometry"
+    covered = len(msg.buffers) * per_buffer
+    return covered if covered == msg.nbytes else "staged size does not match its geometry"
 
 
 def pack_indices(indices: np.ndarray) -> bytes:

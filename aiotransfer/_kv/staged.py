@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .._control.messages import Staged, StagedAck, StageGrant, StageRequest
+from .._control.messages import Staged, StagedAck, StageGrant, StageRequest, staged_shape
 from .._control.rendezvous import Rendezvous
 from .._convert import gather_tokens, scatter_tokens
 from .._deadline import Deadline
@@ -278,7 +278,13 @@ class StagingGrantor:
 
     Requests held (waiting for space, or granted and not yet used) are bounded per prefill rank and room
     (``max_staging_requests_per_room``) and per prefill rank (``max_staging_requests_per_peer``); one beyond
-    either is refused at once with the reason (``dropped_staging-over-cap``).
+    either is refused at once with the reason (``dropped_staging-over-cap``). The bytes a room holds, granted
+    and not yet scattered, are bounded by ``max_staging_share_per_room`` of the arena: a request past it
+    waits for the room's own space to come back, and one larger than the share is refused at once.
+
+    A piece is read from the arena by its shape: before anything is scattered, the shape must cover exactly
+    the bytes the piece declares, within the space granted to it, and name only our buffers and the room's
+    declared pages; otherwise the piece is refused with the reason and nothing is copied.
     """
 
     def __init__(self, ctx: RankContext, lookup: Callable[[int], StagingRoom | None],
@@ -292,6 +298,8 @@ class StagingGrantor:
         """room -> prefill endpoint -> request id -> the request held"""
         self._per_peer: dict[str, int] = {}
         """Requests held, by prefill endpoint"""
+        self._room_bytes: dict[StagingRoom, int] = {}
+        """Arena bytes taken for a room's pieces and not yet back, by room (granted, or being scattered)"""
 
     @property
     def held(self) -> int:
@@ -311,7 +319,14 @@ class StagingGrantor:
             if ctx.arena is None:
                 self._refuse(msg, "decode has no staging arena")
                 return
-            if len(mine) >= cfg.max_staging_requests_per_room:
+            if msg.nbytes <= 0:
+                ctx.drop("invalid-staging-request", f"room {msg.room}: {msg.nbytes} bytes from {msg.endpoint}")
+                self._refuse(msg, f"a staging request of {msg.nbytes} bytes: a piece holds at least one byte")
+                return
+            if msg.nbytes > self._room_share():
+                refusal = (f"a staging piece of {msg.nbytes} bytes exceeds the {self._room_share()} bytes one room "
+                           "may hold here (max_staging_share_per_room)")
+            elif len(mine) >= cfg.max_staging_requests_per_room:
                 refusal = (f"room {msg.room} already holds {len(mine)} staging requests from {msg.endpoint} "
                            f"(max_staging_requests_per_room)")
             elif self._per_peer.get(msg.endpoint, 0) >= cfg.max_staging_requests_per_peer:
@@ -336,6 +351,23 @@ class StagingGrantor:
             return
         ctx.drop("unknown-room", f"staging request for room {msg.room}")
 
+    def _room_share(self) -> int:
+        arena = self._ctx.arena
+        return int(arena.nbytes * self._ctx.config.max_staging_share_per_room) if arena is not None else 0
+
+    def _take(self, rx: StagingRoom, n: int) -> None:
+        self._room_bytes[rx] = self._room_bytes.get(rx, 0) + n
+
+    def _free(self, rx: StagingRoom, off: int, n: int) -> None:
+        """Space taken for a piece of ``rx`` is back in the arena (nothing touches it any more)."""
+        assert self._ctx.arena is not None
+        self._ctx.arena.release(off, n)
+        left = self._room_bytes.get(rx, 0) - n
+        if left > 0:
+            self._room_bytes[rx] = left
+        else:
+            self._room_bytes.pop(rx, None)
+
     def _refuse(self, msg: StageRequest, reason: str) -> None:
         self._answer(msg.endpoint, StageGrant(room=msg.room, endpoint=self._ctx.endpoint, req_id=msg.req_id,
                                               offset=0, granted=False, reason=reason), "stage-refuse")
@@ -355,16 +387,20 @@ class StagingGrantor:
         arena = ctx.arena
         assert arena is not None
         reason = f"room {msg.room} is not open here"
+        share = self._room_share()
         try:
-            off = await arena.acquire(msg.nbytes, ctx.config.transfer_timeout)
+            off = await arena.acquire(msg.nbytes, ctx.config.transfer_timeout,
+                                      admit=lambda: self._room_bytes.get(rx, 0) + msg.nbytes <= share)
         except (InvalidArgument, TransferTimeout) as exc:
             off, reason = None, str(exc)
+        if off is not None:
+            self._take(rx, msg.nbytes)
         if off is not None and self._lookup(msg.room) is rx and self._holds(rx, msg.endpoint, msg.req_id, piece):
             piece.off, piece.task = off, None
             answer = StageGrant(room=msg.room, endpoint=ctx.endpoint, req_id=msg.req_id, offset=off, granted=True)
         else:  # refused, or the room ended while the piece waited for space
             if off is not None:
-                arena.release(off, msg.nbytes)
+                self._free(rx, off, msg.nbytes)
             self._forget(rx, msg.endpoint, msg.req_id, piece)
             answer = StageGrant(room=msg.room, endpoint=ctx.endpoint, req_id=msg.req_id, offset=0, granted=False,
                                 reason=reason)
@@ -397,15 +433,14 @@ class StagingGrantor:
         granted to its pieces that never arrived, and requests of it still waiting for space are dropped.
         Only ``rx``'s own: a room opened since under the same number keeps its grants. Returns the bytes
         freed."""
-        arena = self._ctx.arena
         freed = 0
         for endpoint, pieces in self._pieces.pop(rx, {}).items():
             self._uncount(endpoint, len(pieces))
             for piece in pieces.values():
                 if piece.task is not None:
                     piece.task.cancel()  # it never got space: nothing can be written into any
-                elif piece.off is not None and arena is not None:
-                    arena.release(piece.off, piece.nbytes)
+                elif piece.off is not None:
+                    self._free(rx, piece.off, piece.nbytes)
                     freed += piece.nbytes
         if freed:
             self._ctx.counters["staging_space_reclaimed"] += 1
@@ -440,7 +475,7 @@ class StagingGrantor:
             return
         self._forget(owner, msg.endpoint, msg.req_id, piece)  # the piece landed: its grant is used
         if msg.n_pages == 0:  # the prefill gave the space back unused
-            arena.release(off, nbytes)
+            self._free(owner, off, nbytes)
             ctx.counters["staging_space_returned"] += 1
             self._answer(msg.endpoint, StagedAck(room=msg.room, endpoint=ctx.endpoint, req_id=msg.req_id, ok=True),
                          "staged-ack")
@@ -451,21 +486,26 @@ class StagingGrantor:
         elif msg.stream:
             scatter = self._stream_scatter(msg, rx, off)
         else:
-            scatter = self._page_scatter(msg, rx.pages, off)
+            scatter = self._page_scatter(msg, rx.pages, off, nbytes)
         if isinstance(scatter, str):
-            arena.release(off, nbytes)
+            self._free(owner, off, nbytes)
             ctx.drop("invalid-staged", scatter)
             self._answer(msg.endpoint, StagedAck(room=msg.room, endpoint=ctx.endpoint, req_id=msg.req_id, ok=False,
                                                  reason=scatter), "staged-nack")
             return
         assert rx is not None
-        ctx.spawn(self._scatter(msg, scatter, off, nbytes, rx.hold()), "scatter")
+        ctx.spawn(self._scatter(msg, scatter, functools.partial(self._free, rx, off, nbytes), rx.hold()), "scatter")
 
-    def _page_scatter(self, msg: Staged, pages: np.ndarray, off: int) -> Callable[[], None] | str:
+    def _page_scatter(self, msg: Staged, pages: np.ndarray, off: int, granted: int) -> Callable[[], None] | str:
         """The copy of a piece of pages (or units of pages: ``k`` a page, 1 when the page sizes match) into
-        the room's pages, or why the piece does not fit them."""
+        the room's pages, or why the piece does not fit them or the ``granted`` bytes at ``off``."""
         args, copier = self._ctx.args, self._ctx.copier
-        if copier is None or any(b >= len(args.kv) for b in msg.buffers):
+        shape = staged_shape(msg)
+        if isinstance(shape, str):
+            return shape
+        if shape > granted:
+            return f"staged piece shaped as {shape} bytes exceeds the {granted} bytes granted to it"
+        if copier is None or not all(0 <= b < len(args.kv) for b in msg.buffers):
             return "staged piece names unknown buffers"
         unit = msg.rows * msg.heads * msg.head_bytes
         ks = {units_per_page(args.kv[b].item_len, args.page_size, args.outer, unit) for b in msg.buffers}
@@ -488,7 +528,9 @@ class StagingGrantor:
         t0, t1 = msg.dst_start, msg.dst_start + msg.n_pages
         if planes is None or geo is None or arena is None or pages is None:
             return "a converted piece came but our pages cannot be converted into"
-        if not 0 <= t0 <= t1 <= rx.num_tokens:
+        if isinstance(shape := staged_shape(msg), str):
+            return shape
+        if not 0 <= t0 < t1 <= rx.num_tokens:
             return f"staged tokens [{t0}, {t1}) exceed the {rx.num_tokens} declared"
         if msg.heads != geo.heads or msg.head_bytes != geo.head_bytes or msg.start + msg.count > geo.heads:
             return "staged head geometry does not match our pages"
@@ -497,17 +539,16 @@ class StagingGrantor:
         return functools.partial(scatter_tokens, planes, pages, geo.page_size, t0, t1, msg.start, msg.count,
                                  arena.view[off : off + msg.nbytes])
 
-    async def _scatter(self, msg: Staged, scatter: Callable[[], None], off: int, nbytes: int,
+    async def _scatter(self, msg: Staged, scatter: Callable[[], None], free: Callable[[], None],
                        unhold: Callable[[], None]) -> None:
         """Run a piece's copy into our pages on the offload thread, then ack it (with the reason on failure).
-        ``unhold`` lets the room's pages be released: it runs with the arena's release, once the copy ends."""
+        ``free`` gives the piece's space back and ``unhold`` lets the room's pages be released: both run once
+        the copy ends."""
         ctx = self._ctx
-        arena = ctx.arena
-        assert arena is not None
         ok, reason = True, ""
 
         def done() -> None:
-            arena.release(off, nbytes)
+            free()
             unhold()
 
         try:

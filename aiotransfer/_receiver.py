@@ -370,8 +370,11 @@ class KVReceiver(RoomSide):
         writes may still deliver what they had sent; the rank counts as drained that long from now."""
         if endpoint not in self._undrained:
             return False
-        if endpoint in self._settling and cause == "drained":
-            return True  # a settle once begun is not cut short by a later acknowledgement
+        if endpoint in self._settling:
+            # a settle once begun is not cut short, by a later acknowledgement or by the rank's end: a failed
+            # write's bytes already on their way (in our engine's socket buffers) land whether or not the
+            # process that sent them is still alive
+            return True
         if settle > 0:
             if endpoint not in self._settling:
                 self._settling.add(endpoint)

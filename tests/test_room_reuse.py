@@ -198,3 +198,25 @@ def test_each_state_that_holds_a_decode_room_number_is_named() -> None:
     assert "its own copies into its pages are still running" in (life.holding(3, prefill=False) or "")
     assert life.holding(4, prefill=False) is None and life.holding(5, prefill=False) is None
     assert life.holding(1, prefill=True) is None  # the prefill side's rooms are others
+
+
+@pytest.mark.parametrize("cause", ["peer-restarted", "peer-gone", "drained"])
+async def test_a_settle_is_not_cut_short_when_its_prefill_is_proven_gone(
+    cause: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill acknowledged the drain of a room whose write failed on an engine whose failed writes may still
+    deliver what they had sent, and asked the decode to settle. Learning during the settle that the prefill's
+    process is gone (restarted on its endpoint, or refusing connections) does not end it: the bytes already on
+    their way are in the decode's own engine and land whether or not their sender lives."""
+    no_drain(monkeypatch)
+    async with managers("memory", 2) as [(dec, _), (pre, _)]:
+        rx = await awaiting_drain(dec, pre, 7)
+        settle = 0.6
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        assert rx.on_drained(pre.endpoint, settle=settle)
+        assert rx.on_drained(pre.endpoint, cause)
+        assert not rx.is_released() and rx.settling == [pre.endpoint]
+        await rx.released(timeout=10)
+        assert loop.time() - t0 >= settle * 0.95
+        assert rx.release_cause == "drained"

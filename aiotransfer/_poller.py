@@ -102,17 +102,26 @@ and poll round: handles are asked oldest first, and a peer's writes end about in
 posted, so asking about the ones behind them is wasted (a 4,096-handle write asked about every handle 25
 times over). A doomed or landed handle is asked about whatever its place."""
 _DEEP = 64
-_SHARED_CREDITS: dict[tuple[int, str, int], Credits] = {}
-"""(engine scope, peer, event loop) -> credits; see :meth:`Poller._credits_for`."""
+_SHARED_CREDITS: dict[tuple[object, str, asyncio.AbstractEventLoop], Credits] = {}
+"""(engine scope, peer, event loop) -> that peer's credits, while any are in use or waited for; see
+:meth:`Poller._credits_for`. Keyed by the objects, not their ids: an entry can never be taken for another
+engine or loop that reuses a dead one's id. A peer's entry goes once nothing is in use or waited for, so a
+process that talks to many peers over its life holds entries only for those with writes in flight."""
 
 
 class Credits:
-    """Per-peer entry credits: ``acquire(n)`` waits until ``used + n <= cap``."""
+    """Per-peer entry credits: ``acquire(n)`` waits until ``used + n <= cap``. ``on_idle`` is called each
+    time nothing is in use and nobody waits any more."""
 
-    def __init__(self, cap: int) -> None:
+    def __init__(self, cap: int, on_idle: Callable[[Credits], None] | None = None) -> None:
         self.cap = cap
         self.used = 0
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+        self._on_idle = on_idle
+
+    def _idle(self) -> None:
+        if self.used <= 0 and not self._waiters and self._on_idle is not None:
+            self._on_idle(self)
 
     def try_acquire(self, n: int) -> bool:
         n = min(n, self.cap)
@@ -138,6 +147,7 @@ class Credits:
                 self.release(n)  # granted just as we were cancelled
             elif (n, fut) in self._waiters:
                 self._waiters.remove((n, fut))
+                self._idle()
             raise
         finally:
             if timer is not None:
@@ -155,6 +165,7 @@ class Credits:
             self._waiters.popleft()
             self.used += want
             fut.set_result(None)
+        self._idle()
 
 
 class Poller:
@@ -191,7 +202,6 @@ class Poller:
         """Handles whose write gave up on them (doomed, timed out, cancelled) -> loop time it did."""
         self._abandoning: set[TransferHandle] = set()
         """Handles the driver is abandoning now (not polled meanwhile)."""
-        self._credits: dict[str, Credits] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -380,14 +390,13 @@ class Poller:
     # -- internals ------------------------------------------------------------------------------
     def _credits_for(self, peer: str, loop: asyncio.AbstractEventLoop) -> Credits:
         """Credits are shared by every poller driving the same native engine on this loop: the per-peer
-        queue limit belongs to the engine (Mooncake's is process-wide), not to one manager."""
-        credits = self._credits.get(peer)
-        if credits is None:
-            key = (id(self.engine.credit_scope), peer, id(loop))
-            credits = _SHARED_CREDITS.get(key)
-            if credits is None or credits.cap != self.max_in_flight:
-                credits = _SHARED_CREDITS[key] = Credits(self.max_in_flight)
-            self._credits[peer] = credits
+        queue limit belongs to the engine (Mooncake's is process-wide), not to one manager. A handle's
+        entries stay counted in the entry until it ends, so the entry a write finds is the one its peer's
+        handles in flight count against."""
+        key = (self.engine.credit_scope, peer, loop)
+        credits = _SHARED_CREDITS.get(key)
+        if credits is None:  # managers of one engine with other caps share the first one's
+            credits = _SHARED_CREDITS[key] = Credits(self.max_in_flight, functools.partial(_forget_credits, key))
         return credits
 
     def _ensure_started(self) -> None:
@@ -464,7 +473,8 @@ class Poller:
         self._polled_entries -= handle.entries
         self._given_up.pop(handle, None)
         self.pinned_bytes -= handle.nbytes
-        credits = self._credits.get(handle.peer)
+        assert self._loop is not None
+        credits = _SHARED_CREDITS.get((self.engine.credit_scope, handle.peer, self._loop))
         if credits is not None:
             credits.release(handle.entries)
         on_done = self._on_done.pop(handle, None)
@@ -591,6 +601,11 @@ class Poller:
                 await (nap if self._polled_entries <= _FINE_ENTRIES else asyncio.sleep)(interval)
                 if now - last_progress >= _BACKOFF_AFTER:
                     interval = min(interval * 2, self.interval_max)
+
+
+def _forget_credits(key: tuple[object, str, asyncio.AbstractEventLoop], credits: Credits) -> None:
+    if _SHARED_CREDITS.get(key) is credits:
+        del _SHARED_CREDITS[key]
 
 
 async def _wait_all(

@@ -39,7 +39,7 @@ from .errors import ProtocolError as ProtocolError
 from .errors import TransferFailed as TransferFailed
 from .errors import TransferTimeout as TransferTimeout
 
-__version__ = "0.12.0"
+__version__ = "0.13.0"
 
 __all__ = [
     # core

@@ -111,16 +111,19 @@ process that talks to many peers over its life holds entries only for those with
 
 class Credits:
     """Per-peer entry credits: ``acquire(n)`` waits until ``used + n <= cap``. ``on_idle`` is called each
-    time nothing is in use and nobody waits any more."""
+    time nothing is in use, nobody waits and no write holds these credits (``users``) any more."""
 
     def __init__(self, cap: int, on_idle: Callable[[Credits], None] | None = None) -> None:
         self.cap = cap
         self.used = 0
+        self.users = 0
+        """Writes under way that took these credits, and may take more for their next slices."""
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
         self._on_idle = on_idle
 
-    def _idle(self) -> None:
-        if self.used <= 0 and not self._waiters and self._on_idle is not None:
+    def idle(self) -> None:
+        """Call ``on_idle`` if nothing holds these credits any more."""
+        if self.used <= 0 and not self._waiters and self.users <= 0 and self._on_idle is not None:
             self._on_idle(self)
 
     def try_acquire(self, n: int) -> bool:
@@ -147,7 +150,7 @@ class Credits:
                 self.release(n)  # granted just as we were cancelled
             elif (n, fut) in self._waiters:
                 self._waiters.remove((n, fut))
-                self._idle()
+                self.idle()
             raise
         finally:
             if timer is not None:
@@ -165,7 +168,7 @@ class Credits:
             self._waiters.popleft()
             self.used += want
             fut.set_result(None)
-        self._idle()
+        self.idle()
 
 
 class Poller:
@@ -276,8 +279,9 @@ class Poller:
             on_done = None
         grow: TransferHandle | None = None
         """The handle the write's later slices join, while the engine takes them into it (``try_extend_inline``)."""
+        credits = self._credits_for(peer, loop)
+        credits.users += 1  # its handles' credits go back to this entry: it stays while the write runs
         try:
-            credits = self._credits_for(peer, loop)
             pieces = split_blocks(blocks, size)
             for i, piece in enumerate(pieces):
                 if i and tracked and tracked[-1][0].inline:
@@ -332,6 +336,8 @@ class Poller:
             await _wait_all([f for _, f in tracked], deadline, loop)
             ok = True
         finally:
+            credits.users -= 1
+            credits.idle()
             if grow is not None:
                 grow.growing = False  # no slice joins it any more: it may end
             if not ok:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -86,7 +87,9 @@ class KVManager:
         config: Engine and bounds; None reads
             [`TransferConfig.from_env`][aiotransfer.TransferConfig.from_env].
         engine: An engine object to use instead of creating one from ``config.engine`` (the manager
-            then does not close it).
+            then does not close it): in tests, a `MemoryEngine` on a fabric of the test's own
+            (``KVManager(args, engine=MemoryEngine(fabric))``). ``config.engine`` follows the object's
+            ``name`` when it names another engine.
 
     Raises:
         InvalidArgument: A configuration this memory cannot serve (``checksum=True`` with device KV).
@@ -100,7 +103,11 @@ class KVManager:
         engine: TransferEngine | None = None,
     ) -> None:
         self.args = args
-        self.config = config if config is not None else TransferConfig.from_env()
+        config = config if config is not None else TransferConfig.from_env()
+        if engine is not None and config.engine.partition("_")[0] != engine.name:
+            # the object says which engine this is: peers are told its name, and its threads are named after it
+            config = dataclasses.replace(config, engine=engine.name)
+        self.config = config
         self._own_engine = engine is None
         self._liveness = Liveness(
             interval=self.config.heartbeat_interval, timeout=self.config.peer_timeout,

@@ -17,6 +17,7 @@ PUBLIC_MODULES = {
     "aiotransfer.errors",
     "aiotransfer.engines",
     "aiotransfer.testing",
+    "aiotransfer.testing.pytest_plugin",
     "aiotransfer.integrations",
     "aiotransfer.integrations.vllm",
 }
@@ -147,7 +148,7 @@ def test_the_test_engine_is_public_and_selected_by_name() -> None:
     import aiotransfer.testing as testing
     from aiotransfer.engines import available_engines, create_engine
 
-    assert set(testing.__all__) == {"MemoryFabric", "Write", "Page", "MemoryEngine", "current_fabric",
+    assert set(testing.__all__) == {"MemoryFabric", "Write", "WriteOutcome", "Page", "MemoryEngine", "current_fabric",
                                     "default_fabric"}
     assert "memory" in available_engines()
     with testing.MemoryFabric() as fabric:

@@ -6,7 +6,7 @@ decides when each write completes, fails, or is delayed (see docs/testing.md):
 
 * `MemoryFabric`   -- what the memory engines of one process share; the test's handle on their writes
                              (auto mode: writes land by themselves; manual mode: the test ends each one)
-* `Write`          -- one posted batch: its entries, its outcome, the bytes that landed
+* `Write`          -- one posted batch: its entries, its outcome (a `WriteOutcome`), the bytes that landed
 * `MemoryEngine`   -- the engine adapter (created by ``engine="memory"``, or directly on a fabric)
 * `current_fabric`  -- the fabric ``engine="memory"`` joins: the innermost ``with fabric:``, else
 * `default_fabric`  -- the process-wide one
@@ -20,6 +20,7 @@ from ._engine import MemoryEngine as MemoryEngine
 from ._fabric import MemoryFabric as MemoryFabric
 from ._fabric import Page as Page
 from ._fabric import Write as Write
+from ._fabric import WriteOutcome as WriteOutcome
 from ._fabric import current_fabric as current_fabric
 from ._fabric import default_fabric as default_fabric
 
@@ -28,6 +29,7 @@ __all__ = [
     "MemoryFabric",
     "Page",
     "Write",
+    "WriteOutcome",
     # which fabric engine="memory" joins
     "current_fabric",
     "default_fabric",

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from .._plan import Blocks
 from ..engines._base import EngineBase, EngineStatus, EngineTraits, MemoryRegion, TransferHandle
 from ..errors import EngineError
-from ._fabric import MemoryFabric, Write, current_fabric
+from ._fabric import MemoryFabric, Write, WriteOutcome, current_fabric
 
 if TYPE_CHECKING:
     from .._config import TransferConfig
@@ -112,7 +112,7 @@ class MemoryEngine(EngineBase):
         finally:
             fabric.mutex.release()
         handle.token = w.wid
-        handle.landed = w.outcome != "pending"
+        handle.landed = w.outcome is not WriteOutcome.PENDING
         self._writes[w.wid] = w
         return handle
 
@@ -121,14 +121,14 @@ class MemoryEngine(EngineBase):
         w = self._writes[handle.token]
         fabric = self.fabric
         fabric.advance(w)
-        if w.outcome == "pending":
+        if w.outcome is WriteOutcome.PENDING:
             if w.failed_entries:
                 handle.doom(f"memory write {w.wid}: an entry failed (the others still run)")
             elif fabric.clock() >= w.posted_at + fabric.engine_timeout_s:
                 handle.doom(f"memory write {w.wid}: engine timeout (still in flight)")
             return EngineStatus.PENDING
         del self._writes[handle.token]
-        if w.outcome == "done":
+        if w.outcome is WriteOutcome.DONE:
             return handle.finish(EngineStatus.DONE)
         return handle.finish(EngineStatus.FAILED, handle.doomed or f"memory write {w.wid} {w.outcome}: {w.reason}")
 

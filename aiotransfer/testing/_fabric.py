@@ -38,6 +38,7 @@ import time
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from .._plan import Blocks
@@ -45,10 +46,26 @@ from ..engines._base import MemoryRegion, TransferEngine, TransferHandle
 from ..engines._common import LoopGate
 from ..errors import ConfigError, EngineError, TransferTimeout
 
-__all__ = ["MemoryFabric", "Page", "Write", "current_fabric", "default_fabric"]
+__all__ = ["MemoryFabric", "Page", "Write", "WriteOutcome", "current_fabric", "default_fabric"]
 
 Page = tuple[str, int, int]
 """(manager label, buffer index, page index) of one destination page (see `MemoryFabric.label`)."""
+
+
+class WriteOutcome(str, Enum):
+    """What became of a `Write`. A `str` enum: ``write.outcome == "done"`` holds as ``is WriteOutcome.DONE``."""
+
+    PENDING = "pending"
+    """Not ended: it may still land."""
+    DONE = "done"
+    """Landed: every entry's bytes were copied."""
+    FAILED = "failed"
+    """Ended FAILED: nothing landed, unless the fabric's ``landing_grace_s`` lets bytes it had sent land late."""
+    VOID = "void"
+    """A party died (`MemoryFabric.kill`): nothing of it lands any more."""
+
+    def __str__(self) -> str:
+        return self.value
 
 
 
@@ -95,8 +112,8 @@ class Write:
     """Entries that failed while the others ran (`MemoryFabric.fail_entry`): not copied on landing."""
     owners_seen: list[list[Any]] = field(default_factory=list)
     """The owners of `pages` recorded at every landing and observation while the write was live."""
-    outcome: str = "pending"
-    """``pending``, ``done``, ``failed`` or ``void`` (a party died)."""
+    outcome: WriteOutcome = WriteOutcome.PENDING
+    """`WriteOutcome.PENDING`, `DONE`, `FAILED` or `VOID` (a party died)."""
     reason: str | None = None
     """Why it ended FAILED or void."""
     ended_at: float | None = None
@@ -121,9 +138,9 @@ class Write:
     def live(self, now: float, grace: float) -> bool:
         """The engine may still write this batch's bytes: it has not ended, or it failed less than ``grace``
         ago (bytes already sent may still be applied)."""
-        if self.outcome == "pending":
+        if self.outcome is WriteOutcome.PENDING:
             return True
-        return self.outcome == "failed" and self.ended_at is not None and now < self.ended_at + grace
+        return self.outcome is WriteOutcome.FAILED and self.ended_at is not None and now < self.ended_at + grace
 
     def __repr__(self) -> str:
         return (f"<Write {self.wid} {self.src} -> {self.dst} entries={len(self.entries)} bytes={self.nbytes} "
@@ -266,7 +283,7 @@ class MemoryFabric:
     def pending(self) -> list[Write]:
         """Writes the engine has not ended (those the test can complete or fail), oldest first."""
         with self._lock:
-            return [w for w in self.writes if w.outcome == "pending"]
+            return [w for w in self.writes if w.outcome is WriteOutcome.PENDING]
 
     def live(self) -> list[Write]:
         """Writes whose bytes may still land: pending, or failed less than ``landing_grace_s`` ago."""
@@ -297,17 +314,17 @@ class MemoryFabric:
         """``write`` lands now, every entry that did not fail (also after it was doomed): DONE at the next
         check, or FAILED if an entry failed or a failure was injected into it. No effect once it ended."""
         with self._lock:
-            if write.outcome != "pending":
+            if write.outcome is not WriteOutcome.PENDING:
                 return
             if write.failure is not None:
-                self._end(write, "failed", write.failure)
+                self._end(write, WriteOutcome.FAILED, write.failure)
                 return
             self._land(write, skip=write.failed_entries)
             if write.failed_entries:
                 self._send(write, sorted(write.failed_entries))
-                self._end(write, "failed", f"entries {sorted(write.failed_entries)} failed")
+                self._end(write, WriteOutcome.FAILED, f"entries {sorted(write.failed_entries)} failed")
             else:
-                self._end(write, "done")
+                self._end(write, WriteOutcome.DONE)
 
     def complete_all(self) -> int:
         """`complete` every pending write; returns how many there were."""
@@ -320,15 +337,15 @@ class MemoryFabric:
         """``write`` ends FAILED without landing; the bytes it had read from the source may still land for
         ``landing_grace_s`` (`land_late`). No effect once it ended."""
         with self._lock:
-            if write.outcome == "pending":
+            if write.outcome is WriteOutcome.PENDING:
                 self._send(write, range(len(write.entries)))
-                self._end(write, "failed", reason)
+                self._end(write, WriteOutcome.FAILED, reason)
 
     def fail_entry(self, write: Write, entry: int = 0) -> None:
         """Entry ``entry`` of ``write`` fails while the others still run: the handle is doomed at once (the
         library fails the write) and ends FAILED when the write lands or is ended."""
         with self._lock:
-            if write.outcome == "pending":
+            if write.outcome is WriteOutcome.PENDING:
                 if not 0 <= entry < len(write.entries):
                     raise IndexError(f"{write!r} has no entry {entry}")
                 write.failed_entries.add(entry)
@@ -347,7 +364,7 @@ class MemoryFabric:
         with self._lock:
             if not write.live(self.clock(), self.landing_grace_s):
                 return
-            if write.outcome == "pending":
+            if write.outcome is WriteOutcome.PENDING:
                 self._land(write, skip=set())
                 return
             write.owners_seen.append([self.owner(p) for p in write.pages])
@@ -367,10 +384,10 @@ class MemoryFabric:
             for w in self.writes:
                 if session not in (w.src, w.dst):
                     continue
-                if w.outcome == "pending":
-                    self._end(w, "void", f"{session} died")
-                elif w.outcome == "failed":
-                    w.outcome = "void"
+                if w.outcome is WriteOutcome.PENDING:
+                    self._end(w, WriteOutcome.VOID, f"{session} died")
+                elif w.outcome is WriteOutcome.FAILED:
+                    w.outcome = WriteOutcome.VOID
                     w.in_network.clear()
 
     def hang_handshakes(self, hang: bool = True) -> None:
@@ -466,7 +483,7 @@ class MemoryFabric:
             w.failure = self._injected(dst)
             self.writes.append(w)
             if src in self.dead or dst in self.dead:
-                self._end(w, "void", "a party died")
+                self._end(w, WriteOutcome.VOID, "a party died")
             elif self.auto_complete:
                 w.due = now + self.delay
                 self.advance(w)
@@ -474,7 +491,7 @@ class MemoryFabric:
 
     def advance(self, write: Write) -> None:
         """Land ``write`` if auto mode is on and it is due."""
-        if self.auto_complete and write.outcome == "pending":
+        if self.auto_complete and write.outcome is WriteOutcome.PENDING:
             due = write.due if write.due is not None else write.posted_at + self.delay
             if self.clock() >= due:
                 self.complete(write)
@@ -524,7 +541,7 @@ class MemoryFabric:
             if n and src_regions.covers(s, n):
                 write.in_network[i] = ctypes.string_at(s, n)
 
-    def _end(self, write: Write, outcome: str, reason: str | None = None) -> None:
+    def _end(self, write: Write, outcome: WriteOutcome, reason: str | None = None) -> None:
         write.outcome = outcome
         write.reason = reason
         write.ended_at = self.clock()

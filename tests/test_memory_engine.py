@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from aiotransfer import TransferConfig, TransferTimeout
+from aiotransfer import KVArgs, KVManager, TransferConfig, TransferTimeout
 from aiotransfer._plan import Blocks
 from aiotransfer.engines._base import EngineStatus, MemoryRegion, TransferHandle
 from aiotransfer.engines._registry import create_engine
@@ -167,3 +167,25 @@ def test_a_write_lands_only_inside_one_registered_region_nested_or_not() -> None
     regions.discard(MemoryRegion(0x1000, 0x100000))
     assert not regions.covers(0x20000, 0x10) and not regions.covers(0x2080, 0x200)
     assert regions.covers(0x10000, 0x800)
+
+
+async def test_a_manager_given_an_engine_object_names_that_engine() -> None:
+    """``KVManager(args, engine=MemoryEngine(fabric))`` with a config that names another engine: the manager
+    tells its peers the engine it runs, and moves bytes on it without closing it."""
+    fabric = MemoryFabric()
+    engines = [MemoryEngine(fabric), MemoryEngine(fabric)]
+    src = [np.arange(8 * 64, dtype=np.uint8).reshape(8, 64)]
+    dst = [np.zeros((8, 64), dtype=np.uint8)]
+    config = TransferConfig(engine="mooncake_tcp")
+    async with (KVManager(KVArgs(src, page_size=16, dtype="uint8"), config, engine=engines[0]) as pre,
+                KVManager(KVArgs(dst, page_size=16, dtype="uint8"), config, engine=engines[1]) as dec):
+        assert pre.config.engine == dec.config.engine == "memory"
+        async with dec.receiver(1, peer=pre.endpoint) as rx, pre.sender(1) as tx:
+            await rx.send_metadata([5], timeout=10)
+            await tx.wait_ready(timeout=10)
+            await tx.send_kv([2], timeout=10)
+            await rx.done(timeout=10)
+    assert np.array_equal(dst[0][5], src[0][2])
+    assert not any(e.closed for e in engines)
+    for e in engines:
+        e.close()

@@ -298,7 +298,8 @@ def test_floor_phase_tiny_on_mooncake(tmp_path: Path) -> None:
     fl["sizes"] = {"8388608": {**fl["sizes"][first], "bytes": 8388608}, first: fl["sizes"][first]}
     md = floor_report.markdown(res).splitlines()
     header = next(line for line in md if line.startswith("| engine | stage | where"))
-    assert header == f"| engine | stage | where | {min(SIZES) // 1024} KiB | 8 MiB |", header
+    assert header == f"| engine | stage | where | {min(SIZES) // 1024} KiB | 8 MiB | budget (us) |", header
+    assert any(line.startswith(("MISS ", "ok ")) for line in md)
 
 
 def test_trace_records_only_while_on() -> None:
@@ -457,3 +458,24 @@ def test_cpu_profile_categories_follow_callers() -> None:
     assert sec[ROOT] == pytest.approx(0.0005) and sec[HARNESS] == pytest.approx(0.0002)
     assert [row[0] for row in out["top"]] == [submit[2], "engines/_mooncake.py:3(check)", astype[2]]
     assert [row[2] for row in out["top"]] == [ENGINE, COMPLETION, COMPLETION]  # astype: mostly under check
+
+
+def test_the_stage_budget_says_miss_for_a_stage_over_it() -> None:
+    """The budget check on a made-up run: a library stage over its fixed budget, a ZeroMQ leg over half the
+    round trip plus its margin, and the library's stages added up are each a MISS; the others are ok."""
+    from benchmarks.suite import budget, floor_report
+    from benchmarks.suite.floor import PATH
+
+    p50 = {("start", "request_send"): 20.0, ("request_send", "request_in"): 191.0, ("request_in", "ready"): 16.0,
+           ("ready", "planned"): 20.0, ("planned", "submitted"): 30.0, ("submitted", "engine_done"): 140.0,
+           ("engine_done", "status_in"): 150.0, ("status_in", "done"): 10.0, ("done", "end"): 2.0}
+    path = [{"from": a, "to": b, "p50_us": p50[(a, b)]} for a, b, _, _ in PATH]
+    floor = {"zmq_rtt": {"p50_us": 300.0}, "sizes": {"4096": {"bytes": 4096, "raw": {"p50_us": 100.0},
+                                                               "stages": {"path": path}}}}
+    verdicts = {v.stage: v for v in budget.check({"engines": {"mooncake_tcp": {"phases": {"floor": floor}}}})}
+    missed = sorted(stage for stage, v in verdicts.items() if v.miss)
+    assert missed == ["request_in -> ready", "request_send -> request_in", "submitted -> engine_done"]
+    assert verdicts["library's own stages, added"].p50_us == 96.0 and not verdicts["library's own stages, added"].miss
+    assert "done -> end" not in verdicts  # the caller's own resumption is not budgeted
+    lines = floor_report.verdicts({"engines": {"mooncake_tcp": {"phases": {"floor": floor}}}})
+    assert sum(line.startswith("MISS") for line in lines) == 3 and len(lines) == len(verdicts)

@@ -8,7 +8,9 @@ from typing import Any
 
 from aiotransfer._cli import console
 
-__all__ = ["markdown", "table"]
+from . import budget
+
+__all__ = ["markdown", "table", "verdicts"]
 
 _ORDER = ("mooncake_tcp", "nixl_shm", "nixl_tcp")
 _LABELS = {"mooncake_tcp": "Mooncake TCP", "nixl_shm": "NIXL UCX shm", "nixl_tcp": "NIXL UCX tcp"}
@@ -37,7 +39,7 @@ def _rows(res: dict[str, Any]) -> tuple[list[list[str]], list[list[str]], list[l
                 "room traced p50 (us)"]]
     columns = sorted({int(v["bytes"]) for _, r in _floors(res) for v in r["sizes"].values()})
     """The sizes the trace ran (``floor.SIZES`` of the run), one column each."""
-    stages = [["engine", "stage", "where", *(_size(n) for n in columns)]]
+    stages = [["engine", "stage", "where", *(_size(n) for n in columns), "budget (us)"]]
     threads = [["engine", "process", "thread", "voluntary / involuntary switches per room"]]
     for key, r in _floors(res):
         label = _LABELS.get(key, key)
@@ -52,14 +54,28 @@ def _rows(res: dict[str, Any]) -> tuple[list[list[str]], list[list[str]], list[l
         for i, (a, b, where) in enumerate(segs):
             name = f"{a} -> {b}" + ("" if i < path_len else " (off the path)")
             cells = [_us(by_size[str(n)][(a, b)]) if str(n) in by_size else "-" for n in columns]
-            stages.append([label, name, where, *cells])
+            cap = budget.budget_us((a, b), r, sizes[0]) if i < path_len else None
+            stages.append([label, name, where, *cells, _budget((a, b), cap)])
         total = {str(v["bytes"]): _us(v["stages"]["total"]) for v in sizes}
         totals = [total.get(str(n), "-") for n in columns]
-        stages.append([label, "total (start -> end)", "", *totals])
+        stages.append([label, "total (start -> end)", "", *totals, ""])
         for side in ("decode", "prefill"):
             for name, (vol, inv) in sorted(r.get("switches_per_room", {}).get(side, {}).items()):
                 threads.append([label, side, name, f"{vol:.2f} / {inv:.2f}"])
     return figures, stages, threads
+
+
+def _budget(stage: tuple[str, str], cap: float | None) -> str:
+    """A stage's budget as the table shows it: fixed for the library's own, from the run for the others (the
+    engine write's at the smallest size; :func:`verdicts` checks each size against its own)."""
+    if cap is None:
+        return "-"
+    return f"{cap:.0f}" if stage in budget.LIBRARY else f"{cap:.0f} (from the run)"
+
+
+def verdicts(res: dict[str, Any]) -> list[str]:
+    """``MISS`` or ``ok`` for every budgeted stage of every engine and size (:func:`budget.check`)."""
+    return [v.line() for v in budget.check(res)]
 
 
 def _text(rows: list[list[str]]) -> list[str]:
@@ -81,6 +97,8 @@ def table(res: dict[str, Any]) -> str:
     return console.wrap("\n".join([f"The floor of a small room (median / p90 in us; floor = ZMQ round trip + raw write, medians; "
                        f"{gap} ms idle before each repetition)",
                       *_text(figures), "", "Stages of the traced rooms (median / p90 in us)", *_text(stages), "",
+                      f"Stage budget (p50; the library's own stages add up to {budget.LIBRARY_TOTAL_US:.0f} us)",
+                      *verdicts(res), "",
                       "Thread wake-ups per room (untraced rooms, both processes)", *_text(threads)]))
 
 
@@ -89,4 +107,4 @@ def markdown(res: dict[str, Any]) -> str:
     if not _floors(res):
         return ""
     figures, stages, threads = _rows(res)
-    return "\n".join([*_md(figures), "", *_md(stages), "", *_md(threads)])
+    return "\n".join([*_md(figures), "", *_md(stages), "", "```", *verdicts(res), "```", "", *_md(threads)])

@@ -277,7 +277,7 @@ class KVSender(RoomSide):
         Args:
             timeout: Seconds to wait; ``DEFAULT`` means ``ready_timeout``; ``None``: until the decode speaks,
                 aborts or the manager closes. On expiry the room fails on both sides; a cancellation of this
-                call (``asyncio.timeout``, ``wait_for``, a cancel scope, ``task.cancel()``) aborts the room
+                call (``asyncio.wait_for``, a cancel scope, ``task.cancel()``) aborts the room
                 the same way, with ``wait_ready() cancelled`` as the reason, and stays a cancellation.
 
         Raises:

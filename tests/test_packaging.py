@@ -49,3 +49,11 @@ def test_the_wheel_holds_no_suites_harnesses_or_stubs(tmp_path: Path) -> None:
     assert "aiotransfer/py.typed" in names
     assert _workshop(names) == [], _workshop(names)
     assert all(n.startswith(("aiotransfer/", "aiotransfer-")) for n in names), names
+
+
+def test_mypy_checks_the_examples_too() -> None:
+    """Code copied from examples/ type-checks as strictly as the library, for the oldest Python it supports."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    mypy = config["tool"]["mypy"]
+    assert {"aiotransfer", "examples"} <= set(mypy["files"]) and mypy["strict"] is True
+    assert mypy["python_version"] == config["project"]["requires-python"].removeprefix(">=")

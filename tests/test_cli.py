@@ -24,9 +24,13 @@ from aiotransfer._lag import LoopLagMonitor
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(*args: str, timeout: float, module: str = "aiotransfer") -> subprocess.CompletedProcess[str]:
+def _run(*args: str, timeout: float, module: str = "aiotransfer", own_log_level: bool = False,
+         ) -> subprocess.CompletedProcess[str]:
+    """``python -m module args``; ``own_log_level``: with no ``MC_LOG_LEVEL``, as a user runs it."""
     env = dict(os.environ)
     env.setdefault("MC_LOG_LEVEL", "ERROR")
+    if own_log_level:
+        del env["MC_LOG_LEVEL"]
     return subprocess.run(
         [sys.executable, "-m", module, *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False,
@@ -61,6 +65,18 @@ def test_doctor_json() -> None:
             assert f["fix"], f  # every problem comes with a fix line
 
 
+def test_doctor_names_the_log_level_the_config_sets() -> None:
+    """Without MC_LOG_LEVEL, doctor says what aiotransfer sets: the config's ``engine_log_level``."""
+    from aiotransfer import TransferConfig
+
+    level = TransferConfig().engine_log_level
+    proc = _run("doctor", "--json", timeout=120, own_log_level=True)
+    assert proc.returncode == 0, proc.stderr
+    (finding,) = [f for f in json.loads(proc.stdout)["findings"] if "MC_LOG_LEVEL unset" in f["message"]]
+    assert f"engine_log_level ({level} by default)" in finding["message"], finding
+    assert finding["fix"] == f"export MC_LOG_LEVEL={level}", finding
+
+
 def test_doctor_strict_fails_on_a_problem() -> None:
     env = dict(os.environ, MC_FORCE_HCA="1", MC_LOG_LEVEL="ERROR")
     env.pop("MC_FORCE_TCP", None)
@@ -85,10 +101,11 @@ def test_demo_small_geometry(tmp_path: Path) -> None:
     t0 = time.monotonic()
     proc = _run(
         "demo", "--requests", "64", "--layers", "2", "--kv-heads", "2", "--pool-pages", "384",
-        "--concurrency", "4", "--json", str(out), "--timeout", "90", timeout=120,
+        "--concurrency", "4", "--json", str(out), "--timeout", "90", timeout=120, own_log_level=True,
     )
     elapsed = time.monotonic() - t0
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stderr == "", proc.stderr  # neither process prints the engine's start-up lines
     res = json.loads(out.read_text())
     assert res["requests"] == 64
     assert res["verified_requests"] == 64

@@ -61,6 +61,26 @@ def test_example_script_exits_0(script: str) -> None:
     assert proc.stdout.strip(), f"{script} printed no summary"
 
 
+@pytest.mark.timeout(180)
+def test_the_quickstart_prints_what_its_page_shows() -> None:
+    """docs/quickstart.md shows the whole output of examples/quickstart.py: the same lines on stdout (the
+    first two in either order, the address aside) and nothing on stderr, at the library's own log level."""
+    page = (ROOT / "docs" / "quickstart.md").read_text()
+    block = re.search(r"```console\n\$ \.venv/bin/python examples/quickstart\.py\n(.*?)```", page, re.S)
+    assert block, "docs/quickstart.md shows a run of examples/quickstart.py"
+    env = _env()
+    del env["MC_LOG_LEVEL"]
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "quickstart.py")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+    def lines(text: str) -> list[str]:
+        return sorted(re.sub(r"tcp://[\d.]+:\d+", "tcp://<address>", ln) for ln in text.splitlines())
+
+    assert lines(proc.stdout) == lines(block.group(1))
+    assert proc.stderr == ""
+
+
 _RERUN = "run `PYTHONPATH=. .venv/bin/python scripts/execute-notebook.py examples/{}` and commit the result"
 
 

@@ -166,6 +166,54 @@ def test_bench_quick_writes_three_figures(tmp_path: Path) -> None:
     assert (tmp_path / "bench.log").exists() and str(tmp_path / "bench.log") in proc.stdout
 
 
+def _bench_result(best: float, same: float, requests: int) -> dict[str, object]:
+    """A ``bench`` result of figure (c) alone, where the best raw style and the adapter's own one differ."""
+    from argparse import Namespace
+
+    from aiotransfer._cli import bench
+
+    (fig,) = bench.build_figures(Namespace(seed=0, figures="c", c_requests=requests))
+    styles = {"sync": {"gbps": best, "median_s": 1 / best}, "async": {"gbps": same, "median_s": 1 / same}}
+    return {"repeats": 1, "wall_s": 1.0, "loop_lag": {}, "figures": {"c": {
+        "title": fig.title, "ratio": 1.0 / best, "same_call": {"call": "async", "ratio": 1.0 / same},
+        "raw": {"call": "sync", "gbps": best, "median_s": 1 / best, "entries": 9, "styles": styles},
+        "aiotransfer": {"gbps": 1.0, "median_s": 1.0, "entries": 9}}}}
+
+
+def test_bench_table_shows_each_ratio_once_under_its_own_heading() -> None:
+    """Figure (c)'s two ratios (against the best raw call style, and against the one the adapter makes)
+    stand side by side in the table, each named; the lines under it give the raw styles' GB/s only."""
+    from aiotransfer._cli import bench
+
+    text = bench._table(_bench_result(best=0.86, same=0.61, requests=1))
+    lines = text.splitlines()
+    first, rule = lines.index(next(ln for ln in lines if ln.startswith("figure"))), lines.index(
+        next(ln for ln in lines if ln.startswith("------")))
+    header = "\n".join(lines[first:rule])
+    (row,) = [ln for ln in lines[rule:lines.index("", rule)] if ln.startswith("(c) ")]
+    assert row.split()[-2:] == ["1.16", "1.64"], text
+    assert header.count("ratio vs") == 2 and "best raw" in header and "same call" in header, text
+    (styles,) = [ln for ln in text.splitlines() if ln.startswith("(c) raw")]
+    assert "ratio" not in styles and "sync 0.860 (best)" in styles and "async 0.610 (same call)" in styles
+    assert "1 request," in text and "1 requests" not in text
+    assert "medians of 1 repeat;" in text
+
+
+def test_bench_help_says_what_each_figure_and_ratio_is_and_every_option_has_help() -> None:
+    proc = _run("bench", "--help", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    for key in "abc":
+        assert f"\n  ({key})  " in text, text
+    assert "ratio vs best raw" in text and "ratio vs same call" in text
+    options = text[text.index("options:"):text.index("\nfigures")].splitlines()[1:]
+    for n, line in enumerate(options):
+        if line.startswith("  -"):
+            described = len(line.split("  ")) > 2 or (n + 1 < len(options) and options[n + 1].startswith(" " * 8))
+            assert described, f"no help for {line.strip()}"
+    assert _narrow(text), text
+
+
 def test_bench_suites_moved_to_the_repository() -> None:
     proc = _run("bench", "--suite", "full", timeout=60)
     assert proc.returncode == 2

@@ -637,8 +637,8 @@ class KVSender(RoomSide):
             give_back()
 
     async def done(self, timeout: float | Default | None = DEFAULT) -> None:
-        """Wait for Success. The send that delivers the room's last outstanding part (last chunk, declared aux
-        or state) returns once Success is sent: ``done()`` is needed only to wait for parts another task sends.
+        """Wait for Success. The send that delivers the room's last part (last chunk, declared aux or state)
+        returns once Success is sent: ``done()`` is needed only to wait for parts another task sends.
 
         Args:
             timeout: Seconds to wait; ``DEFAULT`` means ``done_timeout``; ``None``: no bound of its own (the

@@ -381,9 +381,10 @@ class KVManager:
         """Create the prefill side of ``room`` (Bootstrapping until decode's metadata arrives); use it as
         ``async with mgr.sender(room) as tx:`` (see :class:`KVSender`).
 
-        A room number names one request until its pages are released: :class:`InvalidArgument`, naming the
-        state, while a sender of that number is open, has ended and still holds its pages, or failed here less
-        than ``tombstone_ttl`` ago (``stats()['rooms_refused_in_use']``). A room its decode aborted before this
+        A room number names one request: :class:`InvalidArgument`, naming the state, while a sender of that
+        number is open, has ended and still holds its pages, or failed here less than ``tombstone_ttl`` ago
+        (``stats()['rooms_refused_in_use']``). So a retried request takes a new room number; after a success
+        the number is free once the old sender's ``released()`` returned. A room its decode aborted before this
         call opens and fails at once with the decode's reason.
 
         Args:
@@ -408,10 +409,10 @@ class KVManager:
         """Create the decode side of ``room``, pulling from the prefill deployment at ``peer``. Use it as
         ``async with mgr.receiver(room, peer) as rx:`` (see [`KVReceiver`][aiotransfer.KVReceiver]).
 
-        A room number names one request until its pages are released: :class:`InvalidArgument`, naming the
-        state, while a receiver of that number is open, or has ended and awaits its drain acknowledgement, is
-        quarantined or still copies into its pages (``stats()['rooms_refused_in_use']``). Await
-        ``rx.released()`` of a failed room before opening its number again.
+        A room number names one request: :class:`InvalidArgument`, naming the state, while a receiver of that
+        number is open, or has ended and awaits its drain acknowledgement, is quarantined or still copies into
+        its pages (``stats()['rooms_refused_in_use']``). A retried request takes a new room number: after a
+        failure the prefill refuses the old one for ``tombstone_ttl`` even once ``rx.released()`` returned.
 
         Args:
             room: The request's number, shared with its prefill side.

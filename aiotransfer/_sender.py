@@ -277,7 +277,7 @@ class KVSender(RoomSide):
         Args:
             timeout: Seconds to wait; ``DEFAULT`` means ``ready_timeout``; ``None``: until the decode speaks,
                 aborts or the manager closes. On expiry the room fails on both sides; a cancellation of this
-                call (``asyncio.timeout``, ``wait_for``, a cancel scope, ``task.cancel()``) aborts the room
+                call (``asyncio.wait_for``, a cancel scope, ``task.cancel()``) aborts the room
                 the same way, with ``wait_ready() cancelled`` as the reason, and stays a cancellation.
 
         Raises:
@@ -637,7 +637,8 @@ class KVSender(RoomSide):
             give_back()
 
     async def done(self, timeout: float | Default | None = DEFAULT) -> None:
-        """Wait for Success.
+        """Wait for Success. The send that delivers the room's last part (last chunk, declared aux or state)
+        returns once Success is sent: ``done()`` is needed only to wait for parts another task sends.
 
         Args:
             timeout: Seconds to wait; ``DEFAULT`` means ``done_timeout``; ``None``: no bound of its own (the

@@ -65,7 +65,7 @@ def make_kv_pool() -> list[np.ndarray]:
 def pattern(room: int, buffer: int, first: int, n: int) -> np.ndarray:
     """The bytes of pages ``first .. first+n`` of a request (as uint16 words): a function of the room only,
     so decode can check what arrived without any extra communication."""
-    return _BASE[first : first + n] + np.uint16((room * 1_000_003 + buffer * 7_919) % 65_536)
+    return np.asarray(_BASE[first : first + n] + np.uint16((room * 1_000_003 + buffer * 7_919) % 65_536))
 
 
 class PagePool:
@@ -170,7 +170,8 @@ class DecodeProcess:
                 self.stats.set_result(msg["stats"])
             else:
                 self.results.setdefault(msg["room"], asyncio.get_running_loop().create_future()).set_result(msg)
-        for fut in [self._ready, self.stats, *self.results.values()]:
+        waiting: list[asyncio.Future[Any]] = [self._ready, self.stats, *self.results.values()]
+        for fut in waiting:
             if not fut.done():
                 fut.set_exception(RuntimeError("decode process exited"))
 

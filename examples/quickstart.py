@@ -43,8 +43,8 @@ async def prefill() -> int:
         async with mgr.sender(room=ROOM) as tx:
             await tx.wait_ready(timeout=30)  # decode's page indices have arrived
             await tx.send_kv(SRC[:4], last=False)  # first chunk
-            await tx.send_kv(SRC[4:])  # last chunk (last=True by default)
-            await tx.done(timeout=10)  # Success: every byte landed
+            await tx.send_kv(SRC[4:])  # last chunk (last=True by default): returns once Success is sent
+            # No tx.done() needed: nothing else (aux, state) was declared, so the last chunk concluded the room.
         print(f"prefill: {tx!r}")
         await asyncio.to_thread(decode.join, 30)  # keep the manager up until decode is finished
     return decode.exitcode if decode.exitcode is not None else 1

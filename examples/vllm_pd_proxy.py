@@ -233,7 +233,11 @@ class Proxy:
             with self._failures("decode", decode_url):
                 resp = await decode_call
             # From here a failed prefill closes the decode's connection: its answer ends with the reason.
-            prefill_call.add_done_callback(lambda _: failure() is not None and resp.close())
+            def close_on_failure(_: object) -> None:
+                if failure() is not None:
+                    resp.close()
+
+            prefill_call.add_done_callback(close_on_failure)
             answer = await self._answer(request, body, resp, decode_url, rid, failure)
             answered = True
             return answer

@@ -5,8 +5,9 @@ Usage: ``PYTHONPATH=. .venv/bin/python scripts/execute-notebook.py examples/expl
 
 It records a digest of the code cells in the notebook's metadata. tests/test_examples.py checks that the
 committed outputs come from one run of the committed code (the digest matches, cells numbered 1..N in
-order, no error) and that executing the notebook again gives each cell the same kinds of output (text,
-image).
+order, no error), that a cell showing ``aiotransfer.__version__`` shows the installed one, and that executing
+the notebook again makes each cell show the same text (addresses masked, and numbers too in a cell tagged
+``measured``) and the same kinds of figure. Re-run it whenever the version or an output changes.
 """
 
 from __future__ import annotations

@@ -125,6 +125,7 @@ async def test_aux_via_engine_lands_before_success(hybrid_prefill: KVManager, hy
     await tx.send_kv(list(range(10, 18)))
     assert tx.poll() is KVPoll.Transferring  # KV landed, but Success waits for the declared aux
     await tx.send_aux(5)
+    assert tx.poll() is KVPoll.Success  # the send that delivers the last outstanding part concludes the room
     assert tx.aux_path == "engine"
     await tx.done(timeout=10)
     await hybrid_decode.call("done", room=1)
@@ -222,7 +223,7 @@ async def test_hybrid_room_needs_kv_aux_and_state(hybrid_prefill: KVManager, hyb
     await tx.send_aux(1)
     assert tx.poll() is KVPoll.Transferring
     await tx.send_kv(list(range(8)))
-    await tx.done(timeout=10)
+    assert tx.poll() is KVPoll.Success  # aux and state landed first: the last chunk concludes the room
     await hybrid_decode.call("done", room=7)
 
 

@@ -24,9 +24,13 @@ from aiotransfer._lag import LoopLagMonitor
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(*args: str, timeout: float, module: str = "aiotransfer") -> subprocess.CompletedProcess[str]:
+def _run(*args: str, timeout: float, module: str = "aiotransfer", own_log_level: bool = False,
+         ) -> subprocess.CompletedProcess[str]:
+    """``python -m module args``; ``own_log_level``: with no ``MC_LOG_LEVEL``, as a user runs it."""
     env = dict(os.environ)
     env.setdefault("MC_LOG_LEVEL", "ERROR")
+    if own_log_level:
+        del env["MC_LOG_LEVEL"]
     return subprocess.run(
         [sys.executable, "-m", module, *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False,
@@ -61,6 +65,18 @@ def test_doctor_json() -> None:
             assert f["fix"], f  # every problem comes with a fix line
 
 
+def test_doctor_names_the_log_level_the_config_sets() -> None:
+    """Without MC_LOG_LEVEL, doctor says what aiotransfer sets: the config's ``engine_log_level``."""
+    from aiotransfer import TransferConfig
+
+    level = TransferConfig().engine_log_level
+    proc = _run("doctor", "--json", timeout=120, own_log_level=True)
+    assert proc.returncode == 0, proc.stderr
+    (finding,) = [f for f in json.loads(proc.stdout)["findings"] if "MC_LOG_LEVEL unset" in f["message"]]
+    assert f"engine_log_level ({level} by default)" in finding["message"], finding
+    assert finding["fix"] == f"export MC_LOG_LEVEL={level}", finding
+
+
 def test_doctor_strict_fails_on_a_problem() -> None:
     env = dict(os.environ, MC_FORCE_HCA="1", MC_LOG_LEVEL="ERROR")
     env.pop("MC_FORCE_TCP", None)
@@ -85,10 +101,11 @@ def test_demo_small_geometry(tmp_path: Path) -> None:
     t0 = time.monotonic()
     proc = _run(
         "demo", "--requests", "64", "--layers", "2", "--kv-heads", "2", "--pool-pages", "384",
-        "--concurrency", "4", "--json", str(out), "--timeout", "90", timeout=120,
+        "--concurrency", "4", "--json", str(out), "--timeout", "90", timeout=120, own_log_level=True,
     )
     elapsed = time.monotonic() - t0
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stderr == "", proc.stderr  # neither process prints the engine's start-up lines
     res = json.loads(out.read_text())
     assert res["requests"] == 64
     assert res["verified_requests"] == 64
@@ -147,6 +164,54 @@ def test_bench_quick_writes_three_figures(tmp_path: Path) -> None:
     assert _narrow(proc.stdout) and _narrow(proc.stderr), proc.stdout + proc.stderr
     assert "Using default malloc/free" not in proc.stdout + proc.stderr  # Mooncake's log: its own file
     assert (tmp_path / "bench.log").exists() and str(tmp_path / "bench.log") in proc.stdout
+
+
+def _bench_result(best: float, same: float, requests: int) -> dict[str, object]:
+    """A ``bench`` result of figure (c) alone, where the best raw style and the adapter's own one differ."""
+    from argparse import Namespace
+
+    from aiotransfer._cli import bench
+
+    (fig,) = bench.build_figures(Namespace(seed=0, figures="c", c_requests=requests))
+    styles = {"sync": {"gbps": best, "median_s": 1 / best}, "async": {"gbps": same, "median_s": 1 / same}}
+    return {"repeats": 1, "wall_s": 1.0, "loop_lag": {}, "figures": {"c": {
+        "title": fig.title, "ratio": 1.0 / best, "same_call": {"call": "async", "ratio": 1.0 / same},
+        "raw": {"call": "sync", "gbps": best, "median_s": 1 / best, "entries": 9, "styles": styles},
+        "aiotransfer": {"gbps": 1.0, "median_s": 1.0, "entries": 9}}}}
+
+
+def test_bench_table_shows_each_ratio_once_under_its_own_heading() -> None:
+    """Figure (c)'s two ratios (against the best raw call style, and against the one the adapter makes)
+    stand side by side in the table, each named; the lines under it give the raw styles' GB/s only."""
+    from aiotransfer._cli import bench
+
+    text = bench._table(_bench_result(best=0.86, same=0.61, requests=1))
+    lines = text.splitlines()
+    first, rule = lines.index(next(ln for ln in lines if ln.startswith("figure"))), lines.index(
+        next(ln for ln in lines if ln.startswith("------")))
+    header = "\n".join(lines[first:rule])
+    (row,) = [ln for ln in lines[rule:lines.index("", rule)] if ln.startswith("(c) ")]
+    assert row.split()[-2:] == ["1.16", "1.64"], text
+    assert header.count("ratio vs") == 2 and "best raw" in header and "same call" in header, text
+    (styles,) = [ln for ln in text.splitlines() if ln.startswith("(c) raw")]
+    assert "ratio" not in styles and "sync 0.860 (best)" in styles and "async 0.610 (same call)" in styles
+    assert "1 request," in text and "1 requests" not in text
+    assert "medians of 1 repeat;" in text
+
+
+def test_bench_help_says_what_each_figure_and_ratio_is_and_every_option_has_help() -> None:
+    proc = _run("bench", "--help", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    for key in "abc":
+        assert f"\n  ({key})  " in text, text
+    assert "ratio vs best raw" in text and "ratio vs same call" in text
+    options = text[text.index("options:"):text.index("\nfigures")].splitlines()[1:]
+    for n, line in enumerate(options):
+        if line.startswith("  -"):
+            described = len(line.split("  ")) > 2 or (n + 1 < len(options) and options[n + 1].startswith(" " * 8))
+            assert described, f"no help for {line.strip()}"
+    assert _narrow(text), text
 
 
 def test_bench_suites_moved_to_the_repository() -> None:

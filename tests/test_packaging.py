@@ -3,6 +3,7 @@ suites, the SGLang and vLLM harnesses and their stubs stay in the repository (``
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import zipfile
@@ -47,5 +48,47 @@ def test_the_wheel_holds_no_suites_harnesses_or_stubs(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "aiotransfer/_cli/bench.py" in names and "aiotransfer/_cli/doctor.py" in names
     assert "aiotransfer/py.typed" in names
+    license_file = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+    assert license_file, names
+    metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert "License-Expression: Apache-2.0" in metadata, metadata[:2000]
     assert _workshop(names) == [], _workshop(names)
     assert all(n.startswith(("aiotransfer/", "aiotransfer-")) for n in names), names
+
+
+def test_mypy_checks_the_examples_too() -> None:
+    """Code copied from examples/ type-checks as strictly as the library, for the oldest Python it supports."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    mypy = config["tool"]["mypy"]
+    assert {"aiotransfer", "examples"} <= set(mypy["files"]) and mypy["strict"] is True
+    assert mypy["python_version"] == config["project"]["requires-python"].removeprefix(">=")
+
+
+def test_the_license_file_is_the_one_pyproject_names() -> None:
+    """pyproject says Apache-2.0; LICENSE holds that license's text and ships in both distributions."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert config["project"]["license"] == "Apache-2.0"
+    text = (ROOT / "LICENSE").read_text()
+    assert text.split()[:4] == ["Apache", "License", "Version", "2.0,"], text[:200]
+    assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
+    assert "END OF TERMS AND CONDITIONS" in text and "APPENDIX: How to apply the Apache License" in text
+    assert "/LICENSE" in config["tool"]["hatch"]["build"]["targets"]["sdist"]["include"]
+
+
+def test_the_package_description_reads_on_its_own() -> None:
+    """The README is the wheel's description, shown where no checkout is: its links are absolute, the files
+    it names ship in the source distribution, and its quick start begins with an install from the index."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert config["project"]["readme"] == "README.md"
+    text = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)]+)\)", text) + re.findall(r"^\[[^\]]+\]:\s*(\S+)", text, re.M)
+    assert targets and [t for t in targets if not t.startswith("https://")] == []
+    shipped = config["tool"]["hatch"]["build"]["targets"]["sdist"]["include"]
+    for path in set(re.findall(r"`((?:docs|examples)/[\w./-]+|[A-Z]+\.md|LICENSE)`", text)):
+        assert (ROOT / path).exists(), path
+        assert "/" + path.split("/")[0] in shipped, path
+    quick = text[text.index("## Quick start"):]
+    first_block = quick[quick.index("```bash"):quick.index("```", quick.index("```bash") + 7)]
+    assert "pip install" in first_block and "make " not in first_block and ".venv" not in first_block
+    for url in config["project"].get("urls", {}).values():
+        assert url.startswith("https://"), url

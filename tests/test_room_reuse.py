@@ -70,7 +70,8 @@ async def test_a_decode_room_number_is_refused_while_its_old_room_awaits_its_dra
     async with managers(engine, 3, release_quarantine_s=2.0, **STAGED) as [(dec, dst), (a, _), (b, src)]:
         old = await awaiting_drain(dec, a, 7)
         expected = (f"duplicate room 7: it ended (failed: aborted by decode: client went away) and is awaiting its "
-                    f"drain acknowledgement from {a.endpoint}; a room number is unique until its pages are released")
+                    f"drain acknowledgement from {a.endpoint}; a room number is unique until its pages are released: await "
+                    "rx.released() of the ended room first, and give a retried request a new room number")
         with pytest.raises(InvalidArgument, match=re.escape(expected)):
             dec.receiver(7, b.endpoint)
         assert dec.stats()["rooms_refused_in_use"] == 1
@@ -154,13 +155,15 @@ async def test_a_prefill_room_number_is_refused_while_its_writes_drain_and_while
         why = "failed: aborted by prefill: scheduler gave up"
         with pytest.raises(InvalidArgument, match=re.escape(
                 f"duplicate room 1: it ended ({why}) and engine operations or worker copies of its pages are still "
-                "pending (1); a room number is unique until its pages are released")):
+                "pending (1); a room number is unique until its pages are released: await tx.released() of the "
+                "ended room first, and give a retried request a new room number")):
             pre.sender(1)
         fabric.complete(write)
         await tx.released(timeout=5)
         with pytest.raises(InvalidArgument, match=r"duplicate room 1: it failed here \d+s ago \(aborted by prefill: "
                                                   r"scheduler gave up\) and is remembered for tombstone_ttl \(600s\); "
-                                                  "a room number is unique until its tombstone expires"):
+                                                  "a room number is unique until its tombstone expires: give a "
+                                                  "retried request a new room number$"):
             pre.sender(1)
         assert pre.stats()["rooms_refused_in_use"] == 2 and pre.stats()["senders_active"] == 0
 
@@ -190,11 +193,13 @@ def test_each_state_that_holds_a_decode_room_number_is_named() -> None:
         life.ended(rx=r)
     assert life.holding(1, prefill=False) == (
         "it ended (failed: aborted by decode: gone) and is awaiting its drain acknowledgement from tcp://p:1, "
-        "tcp://p:2; a room number is unique until its pages are released")
+        "tcp://p:2; a room number is unique until its pages are released: await rx.released() of the ended room "
+        "first, and give a retried request a new room number")
     assert life.holding(2, prefill=False) == (
         "it ended (failed: aborted by decode: gone) and is quarantined: its prefill ranks tcp://p:2 are silent, "
         "so only a proof that they are gone or the 63s quarantine releases its pages; a room number is unique "
-        "until its pages are released")
+        "until its pages are released: await rx.released() of the ended room first, and give a retried request "
+        "a new room number")
     assert "its own copies into its pages are still running" in (life.holding(3, prefill=False) or "")
     assert life.holding(4, prefill=False) is None and life.holding(5, prefill=False) is None
     assert life.holding(1, prefill=True) is None  # the prefill side's rooms are others

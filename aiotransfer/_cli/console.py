@@ -4,6 +4,7 @@ and the engines' own log lines kept out of both.
 * :func:`table` -- rows of cells as text; when the natural layout is wider than :data:`WIDTH`, the widest
   columns are wrapped inside their cells.
 * :func:`wrap` -- text whose lines are longer than :data:`WIDTH`, wrapped with a hanging indent.
+* :func:`count` -- a number and its noun, singular or plural.
 * :func:`session` -- for the duration of a run: file descriptors 1 and 2 (where native libraries such as
   Mooncake's glog and every child process write) go to a log file, Python's ``sys.stdout`` and
   ``sys.stderr`` keep the terminal and wrap long lines, and a progress indicator runs: a status line
@@ -22,12 +23,17 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import IO
 
-__all__ = ["EVERY", "WIDTH", "Progress", "log_tail", "note", "session", "table", "wrap"]
+__all__ = ["EVERY", "WIDTH", "Progress", "count", "log_tail", "note", "session", "table", "wrap"]
 
 WIDTH = 100
 """Widest line the tools print."""
 EVERY = 2.0
 """Longest silence (seconds) on a stream that is not a terminal while a session runs."""
+
+
+def count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: ``1 request``, ``4 requests``, ``1,000 pages``."""
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
 
 
 def wrap(text: str, width: int = WIDTH, indent: str = "    ") -> str:

@@ -34,6 +34,7 @@ import numpy as np
 
 from aiotransfer import AiotransferError, KVArgs, KVManager, LoopLagMonitor, TransferConfig
 
+from . import console
 from .channel import Child, open_parent_channel, watch_eof
 from .files import write_json
 from .workload import (
@@ -221,7 +222,8 @@ async def _prefill_main(ns: argparse.Namespace) -> dict[str, Any]:
     reqs = _requests(ns, geo)
     total_bytes = sum(r.pages for r in reqs) * geo.buffers * geo.page_bytes
     print(
-        f"aiotransfer demo: {ns.engine}, {len(reqs)} requests of {ns.min_tokens}-{ns.max_tokens} tokens, "
+        f"aiotransfer demo: {ns.engine}, {console.count(len(reqs), 'request')} of {ns.min_tokens}-{ns.max_tokens} "
+        "tokens, "
         f"{ns.concurrency} in flight, 1-{ns.max_chunks} send_kv chunks each\n"
         f"  KV: {geo.layers} layers x (K, V) = {geo.buffers} buffers, layer-first; pages of {geo.page_tokens} "
         f"tokens x {geo.kv_heads} heads x {geo.head_dim} dims x {geo.elem_bytes} B = {geo.page_bytes // 1024} KiB "
@@ -383,7 +385,8 @@ def _report(res: dict[str, Any]) -> None:
         print(f"prefill event-loop lag: p50 {lag['p50_ms']:.3f} ms, p99 {lag['p99_ms']:.3f} ms, "
               f"max {lag['max_ms']:.3f} ms")
     print(f"verified {res['verified_requests']}/{res['requests']} requests, every byte of every buffer: "
-          f"{res['mismatched_pages']} mismatched pages, {res['failed_requests']} failed requests")
+          f"{console.count(res['mismatched_pages'], 'mismatched page')}, "
+          f"{console.count(res['failed_requests'], 'failed request')}")
     for err in res["errors"][:10]:
         print(f"  error: {err}", file=sys.stderr)
     print("OK" if _ok(res) else "FAILED", f"(wall {res['wall_s']:.1f} s)")

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from aiotransfer import ConfigError, __version__
+from aiotransfer import ConfigError, TransferConfig, __version__
 
 __all__ = ["add_arguments", "doctor"]
 
@@ -356,8 +356,10 @@ def _check_python(rep: Report) -> None:
     if env:
         rep.add("info", "env", " ".join(f"{k}={v}" for k, v in env.items()))
     if "MC_LOG_LEVEL" not in os.environ:
-        rep.add("info", "env", "MC_LOG_LEVEL unset: aiotransfer sets WARNING for its own engines; other "
-                "Mooncake users in the process log at INFO", "export MC_LOG_LEVEL=WARNING")
+        level = TransferConfig().engine_log_level
+        rep.add("info", "env", f"MC_LOG_LEVEL unset: aiotransfer sets it to TransferConfig.engine_log_level "
+                f"({level} by default) before its first Mooncake engine loads; a Mooncake other code loaded earlier "
+                "in the process logs at INFO", f"export MC_LOG_LEVEL={level}")
 
 
 def doctor(ns: argparse.Namespace) -> int:

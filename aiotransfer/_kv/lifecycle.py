@@ -90,7 +90,9 @@ class Lifecycle:
                 state = f"it ended ({_how(rx)}) and is awaiting its drain acknowledgement from {', '.join(waiting)}"
             else:
                 state = f"it ended ({_how(rx)}) and its own copies into its pages are still running"
-        return f"{state}; a room number is unique until its pages are released"
+        side = "tx" if prefill else "rx"
+        return (f"{state}; a room number is unique until its pages are released: await {side}.released() of the "
+                "ended room first, and give a retried request a new room number")
 
     def peer_gone(self, endpoint: str, cause: str) -> int:
         """``endpoint``'s process is provably gone: nothing it posted can land any more."""

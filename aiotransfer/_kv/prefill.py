@@ -325,7 +325,8 @@ class PrefillSide:
         if tomb is None or not tomb.opened:
             return None
         return (f"it failed here {time.monotonic() - tomb.since:.0f}s ago ({tomb.reason}) and is remembered for "
-                f"tombstone_ttl ({self.tombstones.ttl:g}s); a room number is unique until its tombstone expires")
+                f"tombstone_ttl ({self.tombstones.ttl:g}s); a room number is unique until its tombstone expires: "
+                "give a retried request a new room number")
 
     def opened(self, tx: SenderRoom) -> None:
         """A sender was just created: hand it the requests that came before it (or the refusal of one: its

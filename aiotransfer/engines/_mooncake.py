@@ -42,10 +42,13 @@ from the build, ``MC_FORCE_TCP``/``MC_FORCE_MNNVL``/``MC_INTRANODE_NVLINK`` and 
 the adapter sets those variables itself (``setdefault``: a user's value wins) and reports the transport
 that was actually installed (:func:`installed_transport`) in a log line and in ``describe()``.
 
-Mooncake logs ``E... transfer_metadata.cpp:NNN] Local segment descriptor not found`` inside every
-``initialize`` in P2P handshake mode: installing a transport looks up the descriptor of its own segment
-before creating it. The adapter drops exactly that line, only while ``initialize`` runs
-(:func:`_without_benign_init_error`); every other line passes through.
+Mooncake's ``initialize`` logs three benign start-up lines on stderr: glog's ``WARNING: Logging before
+InitGoogleLogging() is written to STDERR`` (Mooncake never initialises glog), ``W... Using default
+malloc/free for protocol: tcp`` (at ``MC_LOG_LEVEL=WARNING`` or lower), and, in P2P handshake mode,
+``E... transfer_metadata.cpp:NNN] Local segment descriptor not found``: installing a transport looks up the
+descriptor of its own segment before creating it. The adapter drops exactly these lines, only while
+``initialize`` runs (:func:`_without_benign_start_lines`), and logs them at DEBUG; every other line passes
+through.
 """
 
 from __future__ import annotations
@@ -119,8 +122,12 @@ Every write is posted entry by entry and polled from the loop."""
 _RC_ALREADY_REGISTERED = -7
 _HANDSHAKE_RETRY_S = 0.25
 _HANDSHAKE_WINDOW_S = 2.0
-_BENIGN_INIT_ERROR = re.compile(rb"E\d{4,8} [\d:.]+ +\d+ transfer_metadata\.cpp:\d+\] Local segment descriptor not found\s*")
-"""The one glog line :func:`_without_benign_init_error` drops (any timestamp, thread id and line number)."""
+_BENIGN_START_LINES = re.compile(
+    rb"WARNING: Logging before InitGoogleLogging\(\) is written to STDERR\s*"
+    rb"|W\d{4,8} [\d:.]+ +\d+ transfer_engine_py\.cpp:\d+\] Using default malloc/free for protocol: \w*\s*"
+    rb"|E\d{4,8} [\d:.]+ +\d+ transfer_metadata\.cpp:\d+\] Local segment descriptor not found\s*"
+)
+"""The glog lines :func:`_without_benign_start_lines` drops (any timestamp, thread id and line number)."""
 
 _LOAD_APPLIED: dict[str, str] = {}
 """What ``_import_engine_module`` set before the first import (reported with the engine's start line)."""
@@ -205,18 +212,21 @@ def _env_int(name: str) -> int:
 
 
 @contextlib.contextmanager
-def _without_benign_init_error() -> Iterator[None]:
-    """While the block runs, pass file descriptor 2 through a filter that drops Mooncake's benign
-    ``Local segment descriptor not found`` line; every other line is forwarded at once, in order.
+def _without_benign_start_lines() -> Iterator[None]:
+    """While the block runs, pass file descriptor 2 through a filter that drops Mooncake's benign start-up
+    lines (``_BENIGN_START_LINES``); every other line is forwarded at once, in order.
 
-    Where it comes from (Mooncake 0.3.13, ``TcpTransport::install`` and ``RdmaTransport::install``):
+    glog prints its ``Logging before InitGoogleLogging()`` notice before the first line a process logs, and
+    Mooncake's Python binding logs ``Using default malloc/free`` for a protocol that needs no allocator of
+    its own (TCP, for one): both say nothing about this engine. Where ``Local segment descriptor not found`` comes
+    from (Mooncake 0.3.13, ``TcpTransport::install`` and ``RdmaTransport::install``):
     ``initialize`` installs a transport, whose ``allocateLocalSegmentID`` first asks the metadata layer for
     an existing descriptor of its own segment (``getSegmentDesc(local_server_name)``) so that it can add
     its protocol to it. In P2P handshake mode that lookup begins by reading the *local* segment, which
     that very call is about to create, so it logs the ERROR and returns nothing; the transport then creates
     the descriptor and everything works. It happens inside ``initialize``, before the adapter can call
     anything, so no call order on our side avoids it. The filter is active only during ``initialize``:
-    the same line at any other time (a real fault) is not touched.
+    the same lines at any other time (a real fault) are not touched.
     """
     with contextlib.suppress(Exception):
         sys.stderr.flush()
@@ -231,7 +241,7 @@ def _without_benign_init_error() -> Iterator[None]:
     def pump() -> None:
         with os.fdopen(read_fd, "rb") as lines:
             for line in lines:
-                if _BENIGN_INIT_ERROR.fullmatch(line):
+                if _BENIGN_START_LINES.fullmatch(line):
                     dropped.append(line)
                 else:
                     with contextlib.suppress(OSError):
@@ -253,7 +263,8 @@ def _without_benign_init_error() -> Iterator[None]:
         else:
             os.close(saved)
         if dropped:
-            log.debug("Mooncake logged its benign start-up line: %s", dropped[0].decode(errors="replace").strip())
+            log.debug("Mooncake logged its benign start-up lines: %s",
+                      " | ".join(line.decode(errors="replace").strip() for line in dropped))
 
 
 class _SharedNative:
@@ -353,7 +364,7 @@ class MooncakeEngine(EngineBase):
             log.warning("Mooncake: %s", note)
         native = module.TransferEngine()
         hostname = setup.local_hostname(config.hostname, _free_port() if setup.npu_id is not None else None)
-        with _without_benign_init_error():
+        with _without_benign_start_lines():
             rc = native.initialize(hostname, "P2PHANDSHAKE", setup.protocol, setup.device_name)
         if rc != 0:
             raise EngineError(

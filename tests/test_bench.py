@@ -87,6 +87,8 @@ def test_full_suite_tiny_writes_json_and_plots(tiny_run: tuple[Path, dict[str, A
     assert lag["aiotransfer"]["samples"] == len(lag["aiotransfer"]["samples_ms"]) > 0
     assert lag["raw_thread"]["samples"] > 0 and lag["aiotransfer"]["failed"] == 0
     assert all(v["aiotransfer"]["failed"] == 0 for v in mc["concurrency"]["levels"].values())
+    assert all(v["aiotransfer"]["cpu_us_per_request"] > 0 and v["raw"]["cpu_us_per_request"] > 0
+               for v in mc["concurrency"]["levels"].values())
     assert mc["e2e"]["clock"]["consistent"] is True and mc["e2e"]["aiotransfer"]["failed"] == 0
     assert {"engine", "tcp"} == set(mc["aux"]["paths"])
     for path, v in mc["aux"]["paths"].items():
@@ -172,6 +174,22 @@ def test_targets_pass_and_miss(ratio: float, speedup: float, p99: float, conc: f
     text = report.table(res)
     assert want in text and "status" in text.splitlines()[0]
     assert "| figure |" in report.markdown_table(res)
+
+
+def test_requests_in_flight_against_raw_at_the_same_depth() -> None:
+    """Each depth above one is compared with the raw engine at that depth, with the CPU each spent per request
+    where the run measured it (results saved before it was measured still evaluate)."""
+    res = _synthetic(0.96, 8.5, 0.9, 0.4, 390.0)
+    top = res["engines"]["mooncake_tcp"]["phases"]["concurrency"]["levels"]["256"]
+    top["raw"]["gbps"] = 2.0
+    rows = {r["metric"]: r for r in report.evaluate({**res, "figures": report.derive(res)})}
+    row = rows["256 in flight vs raw engine, 256 in flight"]
+    assert row["value"] == pytest.approx(0.2) and row["status"] == "INFO" and row["shown"] == "0.20"
+    top["aiotransfer"]["cpu_us_per_request"], top["raw"]["cpu_us_per_request"] = 412.4, 61.0
+    rows = {r["metric"]: r for r in report.evaluate({**res, "figures": report.derive(res)})}
+    assert rows["256 in flight vs raw engine, 256 in flight"]["shown"] == (
+        "0.20 (CPU per request: library 412 us, raw 61 us)")
+    assert "1 in flight vs raw engine, 1 in flight" not in rows
 
 
 def test_tp_pattern_is_head_sliced_consistently() -> None:

@@ -27,7 +27,8 @@ Phases (per engine configuration; see ``ENGINES`` for which run where):
   would, and the gather copy).
 * ``lag``: 1 ms sleep probe on the prefill loop, idle, while ``send_kv`` keeps the engine saturated
   (many contiguous requests in flight), and while the raw engine does the same on a thread.
-* ``concurrency``: 1..256 requests in flight; aggregate throughput and latency, raw and aiotransfer.
+* ``concurrency``: 1..256 requests in flight; aggregate throughput, latency and CPU per request, raw and
+  aiotransfer.
 * ``e2e``: 4 KiB ``send_kv`` through ``done()`` on both sides; timestamps from ``time.monotonic``
   (``CLOCK_MONOTONIC``: one clock for every process on Linux, checked in the run).
 * ``floor``: a small room (4 KiB, 64 KiB, 1 MiB) from the decode's ``send_metadata`` to its ``done()``

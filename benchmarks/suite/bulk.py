@@ -18,6 +18,7 @@ from aiotransfer._staging import gather_pages, host_view
 from .ceilings import memcpy_ceiling, tcp_ceiling
 from .common import KIB, MIB, gbps, lag_record, median, rep_count, stats_us, timing
 from .context import Ctx, addr, attempt, send
+from .cpu import ThreadClocks
 
 __all__ = ["phase_ceilings", "phase_concurrency", "phase_lag", "phase_scattered", "phase_throughput"]
 
@@ -284,6 +285,7 @@ async def phase_concurrency(ctx: Ctx) -> dict[str, Any]:
         await send(mgr, warm[0], [0])
         await ctx.collect("conc", "warm")
         levels: dict[str, Any] = {}
+        clocks = ThreadClocks()
         for li, n in enumerate(sorted(p.conc_levels)):
             total = max(p.conc_requests, 2 * n)
             total -= total % n
@@ -301,37 +303,51 @@ async def phase_concurrency(ctx: Ctx) -> dict[str, Any]:
                     else:
                         lat.append(dt)
 
-            async def run_aio(n: int = n, worker: Callable[[int], Awaitable[None]] = worker) -> float:
-                t0 = time.perf_counter()
+            async def run_aio(n: int = n, worker: Callable[[int], Awaitable[None]] = worker) -> tuple[float, int]:
+                before = clocks.read()
+                c0, t0 = time.thread_time_ns(), time.perf_counter()
                 await asyncio.gather(*(worker(j) for j in range(n)))
-                return time.perf_counter() - t0
+                wall, loop_ns = time.perf_counter() - t0, time.thread_time_ns() - c0
+                d = clocks.delta(before, clocks.read())
+                return wall, loop_ns + d["driver"] + d["offload"]
 
             ks = np.arange(total) % n
             src, dst = addr(f.src_base, ks, size), addr(f.dst_base, ks, size)
             lens = np.full(total, size, dtype=np.uint64)
             if li % 2 == 0:
-                aio_s = await run_aio()
+                aio_s, aio_ns = await run_aio()
                 col = await ctx.collect("conc", str(n))
                 await ctx.verify("conc", tag, np.arange(n), what=f"aiotransfer {n} in flight")
-                raw_s, raw_lat = await ctx.off(raw.inflight, src, dst, lens, n)
+                (raw_s, raw_lat), raw_ns = await ctx.off(_thread_cpu, raw.inflight, src, dst, lens, n)
                 await ctx.verify("conc", tag, np.arange(n), what=f"raw {n} in flight")
             else:
-                raw_s, raw_lat = await ctx.off(raw.inflight, src, dst, lens, n)
+                (raw_s, raw_lat), raw_ns = await ctx.off(_thread_cpu, raw.inflight, src, dst, lens, n)
                 await ctx.verify("conc", tag, np.arange(n), what=f"raw {n} in flight")
-                aio_s = await run_aio()
+                aio_s, aio_ns = await run_aio()
                 col = await ctx.collect("conc", str(n))
                 await ctx.verify("conc", tag, np.arange(n), what=f"aiotransfer {n} in flight")
             nbytes = total * size
             levels[str(n)] = {
                 "in_flight": n, "requests": total,
                 "aiotransfer": {"seconds": aio_s, "gbps": gbps(nbytes, aio_s), "latency": stats_us(lat),
+                                "cpu_us_per_request": round(aio_ns / total / 1e3, 1),
                                 "failed": len(failures) + col["failed"], "errors": failures[:3] + col["errors"][:3]},
-                "raw": {"seconds": raw_s, "gbps": gbps(nbytes, raw_s), "latency": stats_us(raw_lat)},
+                "raw": {"seconds": raw_s, "gbps": gbps(nbytes, raw_s), "latency": stats_us(raw_lat),
+                        "cpu_us_per_request": round(raw_ns / total / 1e3, 1)},
             }
             await ctx.progress(f"concurrency {n}: aiotransfer {gbps(nbytes, aio_s):.2f} GB/s, "
                                f"raw {gbps(nbytes, raw_s):.2f} GB/s, {len(failures) + col['failed']} failed")
         return {"request_bytes": size, "levels": levels,
                 "latency_note": "aiotransfer: prefill-side send_kv call (queueing for engine credit included); "
-                                "raw: submit to completion seen by the polling thread"}
+                                "raw: submit to completion seen by the polling thread",
+                "cpu_note": "aiotransfer: the prefill's library CPU per request (event loop thread, engine driver, "
+                            "offload executor); raw: the CPU of the thread that posts and polls, per write"}
     finally:
         await ctx.close(f)
+
+
+def _thread_cpu(fn: Callable[..., Any], *args: Any) -> tuple[Any, int]:
+    """``fn(*args)`` and the CPU ns the calling thread spent in it."""
+    c0 = time.thread_time_ns()
+    out = fn(*args)
+    return out, time.thread_time_ns() - c0

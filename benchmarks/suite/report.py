@@ -124,6 +124,7 @@ def derive(res: dict[str, Any]) -> dict[str, Any]:
                              "aiotransfer_gbps": a["gbps"], "raw_gbps": w["gbps"],
                              "aiotransfer_p50_us": a["latency"]["p50_us"], "aiotransfer_p99_us": a["latency"]["p99_us"],
                              "raw_p50_us": w["latency"]["p50_us"], "raw_p99_us": w["latency"]["p99_us"],
+                             "aiotransfer_cpu_us": a.get("cpu_us_per_request"), "raw_cpu_us": w.get("cpu_us_per_request"),
                              "failed": a["failed"]})
             conc[e] = {"request_bytes": r["request_bytes"], "levels": rows}
     figs["concurrency"] = conc
@@ -258,6 +259,13 @@ def evaluate(res: dict[str, Any]) -> list[dict[str, Any]]:
         if one and top["in_flight"] > 1 and one["raw_gbps"]:
             rows.append(_row("4 concurrency", e, f"{top['in_flight']} in flight vs raw engine, 1 in flight",
                              top["aiotransfer_gbps"] / one["raw_gbps"], "{:.2f}", "-", None))
+        for x in lv:
+            if x["in_flight"] > 1 and x["raw_gbps"]:
+                lib_us, raw_us = x.get("aiotransfer_cpu_us"), x.get("raw_cpu_us")
+                extra = ("" if lib_us is None or raw_us is None
+                         else f" (CPU per request: library {lib_us:.0f} us, raw {raw_us:.0f} us)")
+                rows.append(_row("4 concurrency", e, f"{x['in_flight']} in flight vs raw engine, {x['in_flight']} in "
+                                 "flight", x["aiotransfer_gbps"] / x["raw_gbps"], "{:.2f}" + extra, "-", None))
         failed = sum(x["failed"] for x in lv)
         rows.append(_row("4 concurrency", e, "failed requests (all levels)", float(failed), "{:.0f}", "0",
                          failed == 0))

@@ -82,3 +82,17 @@ __all__ = [
     "TransferFailed",
     "TransferTimeout",
 ]
+
+
+def _own_exports() -> None:
+    """Every class and function exported here names ``aiotransfer`` as its module, where users import it
+    from: reprs, tracebacks and pickles show ``aiotransfer.TransferFailed``, not the private module it lives
+    in (which may move in any release)."""
+    for name in __all__:
+        obj = globals()[name]
+        if isinstance(obj, type) or (callable(obj) and hasattr(obj, "__code__")):
+            obj.__module__ = __name__
+
+
+_own_exports()
+

@@ -4,6 +4,7 @@ zmq only in the control plane, and ``import aiotransfer`` with no engine install
 from __future__ import annotations
 
 import ast
+import inspect
 import pathlib
 import subprocess
 import sys
@@ -217,3 +218,35 @@ def test_the_core_never_imports_the_tools() -> None:
             continue
         imported = _module_imports(path, "aiotransfer." + rel[:-3].replace("/", "."))
         assert not any(m.startswith("aiotransfer._cli") for m in imported), rel
+
+
+def _api_page_names() -> set[str]:
+    """The root's names the API page documents: its ``::: aiotransfer.NAME`` entries and the members it lists
+    of ``aiotransfer.errors`` (also exported from the root)."""
+    import re
+
+    text = (PKG.parent / "docs" / "api.md").read_text()
+    names = set(re.findall(r"^::: aiotransfer\.([A-Za-z_]\w*)\s*$", text, re.M))
+    errors = re.search(r"^::: aiotransfer\.errors\n(?:    .*\n)*?      members:\n((?:        - \w+\n)+)", text, re.M)
+    assert errors is not None
+    names |= set(re.findall(r"- (\w+)", errors.group(1)))
+    return names - {"errors", "engines", "testing", "integrations"}
+
+
+def test_the_api_page_documents_exactly_the_roots_exports() -> None:
+    """As httpcore's test_exported_members: what ``aiotransfer`` exports is what the API page documents."""
+    assert set(aiotransfer.__all__) == _api_page_names()
+
+
+def test_every_export_names_the_root_as_its_module() -> None:
+    """Reprs, tracebacks and pickles show ``aiotransfer.X``, where users import it from, never the private
+    module it lives in."""
+    import pickle
+
+    for name in aiotransfer.__all__:
+        obj = getattr(aiotransfer, name)
+        if isinstance(obj, type) or inspect.isfunction(obj):
+            assert obj.__module__ == "aiotransfer", name
+    exc = pickle.loads(pickle.dumps(aiotransfer.TransferFailed("link down", room=3)))
+    assert isinstance(exc, aiotransfer.TransferFailed) and exc.room == 3
+    assert "aiotransfer.TransferFailed" in repr(aiotransfer.TransferFailed)

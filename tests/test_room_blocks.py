@@ -284,6 +284,26 @@ async def test_both_blocks_succeeding_leave_both_rooms_released(engine: str) -> 
         assert pre.stats()["senders_active"] == 0 and dec.stats()["receivers_active"] == 0
 
 
+async def test_a_room_is_entered_once() -> None:
+    """A second ``async with`` on the same room, nested or after the first block, is refused: one block owns
+    the room's end. The first block still ends the room as it would have."""
+    async with pair("memory") as (pre, dec):
+        tx, rx = pre.sender(3), dec.receiver(3, pre.endpoint)
+        async with tx, rx:
+            with pytest.raises(InvalidArgument, match="room 3 is already used in an async with block"):
+                async with tx:
+                    pass
+            await rx.send_metadata([7], timeout=10)
+            await tx.wait_ready(timeout=10)
+            await tx.send_kv([3], timeout=10)
+            await rx.done(timeout=10)
+        assert tx.poll() is KVPoll.Success and rx.poll() is KVPoll.Success
+        for room in (tx, rx):
+            with pytest.raises(InvalidArgument, match="already used in an async with block"):
+                async with room:
+                    pass
+
+
 async def test_a_done_cancelled_inside_a_block_aborts_once_with_its_own_reason(
     engine: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

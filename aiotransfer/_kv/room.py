@@ -13,7 +13,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from .._status import KVPoll, PollLatch, apply_status
-from ..errors import TransferTimeout
+from ..errors import InvalidArgument, TransferTimeout
 
 if TYPE_CHECKING:
     import numpy as np
@@ -134,6 +134,7 @@ class RoomSide:
         self._on_terminal = on_terminal
         self._on_released = on_released
         self._released: str | None = None
+        self._entered = False
 
     def poll(self) -> KVPoll:
         """Current status; the first terminal status is latched and returned forever after."""
@@ -169,6 +170,13 @@ class RoomSide:
 
     # -- a room as a resource -----------------------------------------------------------------------
     async def __aenter__(self: _R) -> _R:
+        """Enter the room's block: once per room. A second ``async with`` on the same room (nested, or after
+        the first block left) is refused with :class:`~aiotransfer.InvalidArgument`: one block owns the
+        room's end, and the first one's exit already aborted or released it."""
+        if self._entered:
+            raise InvalidArgument(f"room {self.room} is already used in an async with block: a room is entered "
+                                  "once (open a new room for a new request)")
+        self._entered = True
         return self
 
     async def __aexit__(

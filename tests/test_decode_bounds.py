@@ -69,16 +69,15 @@ def _filled(t: mi.Type, n: int) -> Any:
     return {str(i): _zero(t.value_type) for i in range(n)}
 
 
-def _bounded(t: mi.Type, path: str, wrap: Build) -> Iterator[tuple[str, int | None, Callable[[int], m.Message]]]:
-    """``(path, max_length, build)`` for every value with a length reachable from type ``t``: ``build(n)`` is a
-    whole message whose value at ``path`` has length ``n``; ``wrap`` puts a value of type ``t`` in one."""
-    if isinstance(t, (mi.StrType, mi.BytesType, mi.ListType, mi.DictType)):
-        yield path, t.max_length, lambda n: wrap(_filled(t, n))
+def _walk(t: mi.Type, path: str, wrap: Build) -> Iterator[tuple[str, mi.Type, Build]]:
+    """``(path, type, build)`` for type ``t`` and every type reachable from it: ``build(v)`` is a whole message
+    whose value at ``path`` is ``v``; ``wrap`` puts a value of type ``t`` in one."""
+    yield path, t, wrap
     if isinstance(t, mi.ListType):
-        yield from _bounded(t.item_type, f"{path}[]", lambda v: wrap([v]))
+        yield from _walk(t.item_type, f"{path}[]", lambda v: wrap([v]))
     elif isinstance(t, mi.DictType):
-        yield from _bounded(t.key_type, f"{path}{{key}}", lambda k: wrap({k: _zero(t.value_type)}))
-        yield from _bounded(t.value_type, f"{path}{{}}", lambda v: wrap({"k": v}))
+        yield from _walk(t.key_type, f"{path}{{key}}", lambda k: wrap({k: _zero(t.value_type)}))
+        yield from _walk(t.value_type, f"{path}{{}}", lambda v: wrap({"k": v}))
     elif isinstance(t, mi.StructType):
         base = _zero(t)
 
@@ -86,10 +85,18 @@ def _bounded(t: mi.Type, path: str, wrap: Build) -> Iterator[tuple[str, int | No
             return lambda v: wrap(msgspec.structs.replace(base, **{name: v}))
 
         for f in t.fields:
-            yield from _bounded(f.type, f"{path}.{f.name}", setter(f.name))
+            yield from _walk(f.type, f"{path}.{f.name}", setter(f.name))
     elif isinstance(t, mi.UnionType):
         for x in t.types:
-            yield from _bounded(x, path, wrap)
+            yield from _walk(x, path, wrap)
+
+
+def _bounded(t: mi.Type, path: str, wrap: Build) -> Iterator[tuple[str, int | None, Callable[[int], m.Message]]]:
+    """``(path, max_length, build)`` for every value with a length reachable from type ``t``: ``build(n)`` is a
+    whole message whose value at ``path`` has length ``n``."""
+    for where, x, build in _walk(t, path, wrap):
+        if isinstance(x, (mi.StrType, mi.BytesType, mi.ListType, mi.DictType)):
+            yield where, x.max_length, lambda n, x=x, build=build: build(_filled(x, n))
 
 
 def _fields() -> list[tuple[str, int | None, Callable[[int], m.Message]]]:
@@ -128,24 +135,10 @@ def test_each_bound_takes_its_largest_value_and_refuses_one_more(
 # -- every integer has a range --------------------------------------------------------------------------------
 
 def _integers(t: mi.Type, path: str, wrap: Build) -> Iterator[tuple[str, mi.IntType, Build]]:
-    """``(path, type, build)`` for every integer reachable from type ``t``, as :func:`_bounded` does lengths."""
-    if isinstance(t, mi.IntType):
-        yield path, t, wrap
-    elif isinstance(t, mi.ListType):
-        yield from _integers(t.item_type, f"{path}[]", lambda v: wrap([v]))
-    elif isinstance(t, mi.DictType):
-        yield from _integers(t.value_type, f"{path}{{}}", lambda v: wrap({"k": v}))
-    elif isinstance(t, mi.StructType):
-        base = _zero(t)
-
-        def setter(name: str) -> Build:
-            return lambda v: wrap(msgspec.structs.replace(base, **{name: v}))
-
-        for f in t.fields:
-            yield from _integers(f.type, f"{path}.{f.name}", setter(f.name))
-    elif isinstance(t, mi.UnionType):
-        for x in t.types:
-            yield from _integers(x, path, wrap)
+    """``(path, type, build)`` for every integer reachable from type ``t``."""
+    for where, x, build in _walk(t, path, wrap):
+        if isinstance(x, mi.IntType):
+            yield where, x, build
 
 
 def _all_integers(message: Any) -> list[tuple[str, mi.IntType, Build]]:

@@ -94,9 +94,12 @@ def _walk(t: mi.Type, path: str, wrap: Build) -> Iterator[tuple[str, mi.Type, Bu
 def _bounded(t: mi.Type, path: str, wrap: Build) -> Iterator[tuple[str, int | None, Callable[[int], m.Message]]]:
     """``(path, max_length, build)`` for every value with a length reachable from type ``t``: ``build(n)`` is a
     whole message whose value at ``path`` has length ``n``."""
+    def sized(x: mi.Type, build: Build) -> Callable[[int], m.Message]:
+        return lambda n: build(_filled(x, n))
+
     for where, x, build in _walk(t, path, wrap):
         if isinstance(x, (mi.StrType, mi.BytesType, mi.ListType, mi.DictType)):
-            yield where, x.max_length, lambda n, x=x, build=build: build(_filled(x, n))
+            yield where, x.max_length, sized(x, build)
 
 
 def _fields() -> list[tuple[str, int | None, Callable[[int], m.Message]]]:

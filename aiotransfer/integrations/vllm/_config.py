@@ -118,10 +118,10 @@ class ConnectorConfig:
     release_timeout: float = 120.0
     stream_layers: str | bool = "auto"
     """Prefill: push a room layer by layer during the forward pass when its decode has already asked
-    (concurrent dispatch): ``"auto"`` when the pass's layers are large enough for it to pay
-    (:class:`~aiotransfer.integrations.vllm._streaming.StreamRule`; a short prompt goes whole after the
-    pass), ``"always"`` (``true``), ``"never"`` (``false``). On a GPU each layer waits for its kernels;
-    hybrid models send their Mamba state once the pass is over."""
+    (concurrent dispatch): ``"auto"`` when the pass's layers are large enough for it to pay (a short
+    prompt goes whole after the pass; the vLLM page of the docs states the rule), ``"always"`` (``true``),
+    ``"never"`` (``false``). On a GPU each layer waits for its kernels; hybrid models send their Mamba
+    state once the pass is over."""
     stream_min_tokens: int | None = None
     """Prefill, ``stream_layers="auto"``: the fewest tokens a pass's layer must carry to be streamed, in
     place of the threshold the rule computes from the engine's measured per-layer cost."""

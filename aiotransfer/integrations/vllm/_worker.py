@@ -77,8 +77,8 @@ class WorkerSide:
         self.loads: collections.deque[tuple[str, float, int]] = collections.deque(maxlen=4096)
         """Recent successful loads: (request id, seconds from asking the prefill to the last byte, bytes)."""
         self.stats: dict[str, int] = {"sends": 0, "sends_asked_early": 0, "sends_streamed": 0, "chunks_sent_early": 0,
-                                      "sends_whole_by_rule": 0, "sends_failed": 0, "sends_forgone": 0, "receives": 0, "receives_failed": 0,
-                                      "forgone": 0, "aborted": 0, "preempted": 0, "withheld": 0}
+                                      "sends_whole_by_rule": 0, "sends_failed": 0, "sends_forgone": 0, "receives": 0,
+                                      "receives_failed": 0, "forgone": 0, "aborted": 0, "preempted": 0, "withheld": 0}
 
     # -- start and stop --------------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, Any], block_size: int) -> str:

@@ -243,17 +243,18 @@ def test_a_decode_that_asks_between_chunks_gets_the_blocks_computed_before_with_
 
 
 @pytest.mark.parametrize(("kind", "engine", "stream", "chunks"), [
-    ("aiotransfer-nixl-spin", "nixl", True, True),
-    ("aiotransfer-mooncake-whole", "mooncake_tcp", False, True),
-    ("aiotransfer-nixl-spin-nochunks", "nixl", True, False),
+    ("aiotransfer-nixl-spin", "nixl", "always", True),
+    ("aiotransfer-mooncake-whole", "mooncake_tcp", "never", True),
+    ("aiotransfer-nixl-spin-nochunks", "nixl", "always", False),
+    ("aiotransfer-mooncake-auto", "mooncake_tcp", "auto", True),
 ])
-def test_the_harness_kinds_configure_the_connector_as_named(kind: str, engine: str, stream: bool, chunks: bool) -> None:
+def test_the_harness_kinds_configure_the_connector_as_named(kind: str, engine: str, stream: str, chunks: bool) -> None:
     from benchmarks.vllm.spec import EngineSpec, kv_transfer_config
 
     fields = kv_transfer_config(EngineSpec(name="p", model="m", kind=kind, role="prefill"))
     assert fields is not None
     config = ConnectorConfig.from_extra(fields["kv_connector_extra_config"])
-    assert (config.engine, config.stream_layers, config.send_chunks) == (engine, stream, chunks)
+    assert (config.engine, config.stream_mode, config.send_chunks) == (engine, stream, chunks)
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -181,7 +181,8 @@ def test_a_hybrid_room_is_pushed_region_by_region_and_its_state_once_the_pass_is
     write during the pass, goes when the pass is over. The negative control writes the state only after
     the pass has ended: the decode then gets the old state, so the digest can tell."""
     kv = make_buffers(2, PAGES, ITEM, seed=16)
-    prefill = WorkerSide(ConnectorConfig.from_extra({"engine": engine, "transfer_timeout": 10.0}))
+    prefill = WorkerSide(ConnectorConfig.from_extra({"engine": engine, "transfer_timeout": 10.0,
+                                                     "stream_layers": "always"}))
     prefill.register_hybrid(*hybrid_layers(kv), block_size=16)
     decode = DecodeWorker(engine, "hybrid")
     try:

@@ -401,7 +401,10 @@ class DecodeWorker:
 
 
 def prefill_worker(engine: str, kv: list[Any], **extra: Any) -> WorkerSide:
-    worker = WorkerSide(ConnectorConfig.from_extra({"engine": engine, "transfer_timeout": 10.0, **extra}))
+    """A worker over ``kv``; it streams every pass whose decode has asked unless ``extra`` says otherwise (these
+    test prompts are far below the streaming rule's threshold)."""
+    worker = WorkerSide(ConnectorConfig.from_extra({"engine": engine, "transfer_timeout": 10.0,
+                                                    "stream_layers": "always", **extra}))
     worker.register({f"layer.{i}": buf for i, buf in enumerate(kv)}, block_size=16)
     return worker
 

@@ -81,7 +81,8 @@ def stream_part(worker: WorkerSide, cmd: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     engine, pages, item_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     kv = make_buffers(2, pages, item_len, None)
-    worker = WorkerSide(ConnectorConfig.from_extra({"engine": engine, "transfer_timeout": 10.0}))
+    worker = WorkerSide(ConnectorConfig.from_extra({"engine": engine, "transfer_timeout": 10.0,
+                                                    "stream_layers": "always"}))
     if sys.argv[4:] == ["hybrid"]:
         endpoint = worker.register_hybrid(*hybrid_layers(kv), block_size=16)
     else:

@@ -12,7 +12,8 @@ the other on the same engines:
 * ``concurrent`` -- concurrent dispatch: each prompt's prefill and decode requests submitted together, in
   one room (what ``examples/vllm_pd_proxy.py --concurrent`` does). The decode asks while the prefill
   computes, and the prefill pushes each layer as its forward pass writes it (kinds ending ``-whole`` run
-  with ``stream_layers=False``: the room goes whole after the pass). With ``--prefill-chunk N`` the
+  with ``stream_layers="never"``: the room goes whole after the pass; ``-auto``: the connector's default rule
+  decides, per pass). With ``--prefill-chunk N`` the
   prefill (and the single engine) compute prompts in chunks of N tokens, and each chunk's blocks go in its
   own step (kinds ending ``-nochunks``: ``send_chunks=False``, all with the last chunk).
 

@@ -12,12 +12,14 @@ from typing import Any
 __all__ = ["KINDS", "EngineSpec", "engine_env", "free_port", "kv_transfer_config"]
 
 _AIOTRANSFER_KINDS = ("aiotransfer-mooncake", "aiotransfer-nixl", "aiotransfer-nixl-spin")
-_SUFFIXES = ("-whole", "-nochunks")
+_SUFFIXES = ("-whole", "-nochunks", "-auto")
 KINDS = ("single", "nixl", *_AIOTRANSFER_KINDS, *(k + s for s in _SUFFIXES for k in _AIOTRANSFER_KINDS))
 """``single``: no connector; ``nixl``: vLLM's NixlConnector; ``aiotransfer-*``: AiotransferConnector
 (``aiotransfer-nixl-spin``: over NIXL with UCX's progress thread spinning, as NixlConnector runs it,
-instead of the connector's paced default; ``-whole``: without layer streaming, ``stream_layers=False``;
-``-nochunks``: with chunked prefill, the whole prompt goes with its last chunk, ``send_chunks=False``)."""
+instead of the connector's paced default; every pass of a request whose decode has asked is streamed,
+``stream_layers="always"``; ``-whole``: without layer streaming, ``stream_layers="never"``; ``-auto``: only
+the passes the connector's rule says streaming pays for, ``stream_layers="auto"``, its default; ``-nochunks``:
+with chunked prefill, the whole prompt goes with its last chunk, ``send_chunks=False``)."""
 
 _AIOTRANSFER_ENGINE = {"aiotransfer-mooncake": "mooncake_tcp", "aiotransfer-nixl": "nixl",
                        "aiotransfer-nixl-spin": "nixl"}
@@ -75,9 +77,13 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
                 "kv_connector_extra_config": {"engine": _AIOTRANSFER_ENGINE[base],
                                               "transfer_timeout": spec.transfer_timeout, "lease": spec.lease,
                                               "transfer": _AIOTRANSFER_TRANSFER.get(base, {}),
-                                              "stream_layers": not spec.kind.endswith("-whole"),
+                                              "stream_layers": _stream_layers(spec.kind),
                                               "send_chunks": not spec.kind.endswith("-nochunks")}}
     raise ValueError(f"unknown connector kind {spec.kind!r}; expected one of {KINDS}")
+
+
+def _stream_layers(kind: str) -> str:
+    return "never" if kind.endswith("-whole") else "auto" if kind.endswith("-auto") else "always"
 
 
 def engine_env(spec: EngineSpec) -> dict[str, str]:

@@ -17,7 +17,10 @@ import pytest
 from tests.vllm.harness import assert_no_leak, assert_within_budget, run_harness
 
 AIOTRANSFER_KINDS = ["aiotransfer-mooncake", "aiotransfer-nixl"]
-PD_KINDS = ["nixl", *AIOTRANSFER_KINDS]
+"""AiotransferConnector streaming every pass whose decode has asked (``stream_layers="always"``)."""
+AUTO_KIND = "aiotransfer-mooncake-auto"
+"""AiotransferConnector with its default rule (``stream_layers="auto"``): every prompt here is below its floor."""
+PD_KINDS = ["nixl", *AIOTRANSFER_KINDS, AUTO_KIND]
 LENGTHS = [600, 100, 37, 257]  # 600 tokens span 19 blocks of 32; all four are in flight together
 PREFILL_CHUNK = 128
 """The prefill's tokens per step: every prompt but the shortest is computed in chunks (chunked prefill)."""
@@ -121,6 +124,22 @@ def test_aiotransfer_connector_counts(pd_run: dict[str, Any], kind: str) -> None
     for stats in (prefill, decode):
         assert stats["worker"]["in_flight"] == 0 and stats["worker"]["withheld"] == 0, stats
         assert stats["scheduler"] == {"sending": 0, "receiving": 0, "prefilling": 0}, stats
+
+
+def test_auto_sends_short_prompts_whole_after_the_pass_with_the_single_engines_tokens(pd_run: dict[str, Any]) -> None:
+    """The connector's default rule: prompts of 37 to 600 tokens are below its floor, so each pass goes whole
+    once it is over, also when the decode asked before it (concurrent dispatch). Same tokens, same bytes."""
+    run = pd_run["runs"][AUTO_KIND]
+    assert "error" not in run, f"{run['error']}\n{_engine_log_hint(pd_run)}"
+    conc = run["concurrent"]
+    assert [r["outcome"] for r in conc["decode"]] == ["ok"] * len(LENGTHS), conc["decode"]
+    assert conc["tokens"] == pd_run["reference"]["tokens"][:len(LENGTHS)]
+    block_bytes = 4 * 2 * 2 * 64 * 4 * 32
+    assert sorted(r["bytes"] for r in conc["transfers"]["records"]) == sorted(-(-n // 32) * block_bytes for n in LENGTHS)
+    n = len(LENGTHS) + 2  # the prompts and the negative control's two, asked before they were computed
+    worker = run["stats"]["prefill"]["worker"]
+    assert (worker["sends_asked_early"], worker["sends_streamed"], worker["sends_whole_by_rule"]) == (n, 0, n), worker
+    assert worker["sends_failed"] == 0 and worker["in_flight"] == 0 and worker["withheld"] == 0, worker
 
 
 # ----------------------------------------------------------------------------------------------------

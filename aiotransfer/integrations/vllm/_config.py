@@ -16,6 +16,7 @@ from typing import Any
 
 from ..._config import TransferConfig
 from ...errors import ConfigError, InvalidArgument
+from ._streaming import check_streaming, stream_mode
 
 __all__ = ["CacheGroups", "ConnectorConfig", "RemotePrefill", "check_endpoint", "check_room", "concurrent_params",
            "prefill_room", "room_of", "FORGONE",
@@ -115,10 +116,15 @@ class ConnectorConfig:
     transfer_timeout: float = 30.0
     lease: float = 30.0
     release_timeout: float = 120.0
-    stream_layers: bool = True
+    stream_layers: str | bool = "auto"
     """Prefill: push a room layer by layer during the forward pass when its decode has already asked
-    (concurrent dispatch). On a GPU each layer waits for its kernels; hybrid models send their Mamba state
-    once the pass is over."""
+    (concurrent dispatch): ``"auto"`` when the pass's layers are large enough for it to pay (a short
+    prompt goes whole after the pass; the vLLM page of the docs states the rule), ``"always"`` (``true``),
+    ``"never"`` (``false``). On a GPU each layer waits for its kernels; hybrid models send their Mamba
+    state once the pass is over."""
+    stream_min_tokens: int | None = None
+    """Prefill, ``stream_layers="auto"``: the fewest tokens a pass's layer must carry to be streamed, in
+    place of the threshold the rule computes from the engine's measured per-layer cost."""
     send_chunks: bool = True
     """Prefill, chunked prefill: once the decode has asked, send the blocks each chunk's pass completes in
     that pass (layer by layer with ``stream_layers``, else whole right after it), not all with the last
@@ -131,7 +137,7 @@ class ConnectorConfig:
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
         extra = dict(extra or {})
         known = {"engine", "hostname", "port", "transfer_timeout", "lease", "release_timeout", "stream_layers",
-                 "send_chunks", "transfer"}
+                 "stream_min_tokens", "send_chunks", "transfer"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"kv_connector_extra_config: unknown keys {unknown}; known: {sorted(known)}")
@@ -148,12 +154,16 @@ class ConnectorConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"kv_connector_extra_config {name}={value!r}: expected seconds > 0")
-        for name in ("stream_layers", "send_chunks"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise ConfigError(f"kv_connector_extra_config {name}={value!r}: expected true or false")
+        if not isinstance(self.send_chunks, bool):
+            raise ConfigError(f"kv_connector_extra_config send_chunks={self.send_chunks!r}: expected true or false")
+        check_streaming(self.stream_layers, self.stream_min_tokens)
         if not isinstance(self.transfer, Mapping):
             raise ConfigError("kv_connector_extra_config transfer: expected a dict of TransferConfig fields")
+
+    @property
+    def stream_mode(self) -> str:
+        """``stream_layers`` as one of ``"auto"``, ``"always"``, ``"never"``."""
+        return stream_mode(self.stream_layers)
 
     def transfer_config(self, tp_rank: int = 0) -> TransferConfig:
         """The worker's :class:`TransferConfig`: each TP rank listens on ``port + tp_rank`` (or any port)."""

@@ -168,8 +168,9 @@ class AiotransferConnector(KVConnectorBase_V1, SupportsHMA):
         return None  # loads are asynchronous: a request runs only once its whole KV has landed
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        # Layer streaming: a room whose decode has asked pushes this layer's blocks now, on the connector's
-        # loop thread; this thread only tells it (one loop wake-up, in steps that compute a finished prompt).
+        # Layer streaming: a room whose decode has asked, in a pass long enough to stream (StreamRule), pushes
+        # this layer's blocks now, on the connector's loop thread; this thread only tells it (one loop wake-up,
+        # in steps with such a room; none in the others).
         self.worker_side.layer_written(layer_name)
 
     def wait_for_save(self) -> None:

@@ -29,6 +29,7 @@ from .._sync import BackgroundManager
 from ._config import FORGONE, STATE_KIND, ConnectorConfig
 from ._layers import ChunkFeed, ForwardPass, device_event
 from ._scheduler import Orders, RecvJob, SendJob
+from ._streaming import StreamRule
 
 __all__ = ["WorkerSide"]
 
@@ -69,12 +70,15 @@ class WorkerSide:
         self._layer_index: dict[str, int] = {}  # layer name -> KV buffer (= layer id), for layer streaming
         self._num_buffers = 0  # KV buffers registered, each a "layer" for streaming (a region, for hybrid models)
         self._pass: ForwardPass | None = None  # the forward pass under way, while it has rooms to push
+        self._pass_streams = False  # some room of that pass may stream: its layers are reported as written
+        self._rule = StreamRule(config.stream_mode)  # which passes stream; its threshold is set at register
+        self._block_size = 1  # tokens per block (the rule counts a pass's tokens in whole blocks)
         self._device: Any = None  # the KV's device: on CUDA, sends wait for an event of the pass that wrote it
         self.loads: collections.deque[tuple[str, float, int]] = collections.deque(maxlen=4096)
         """Recent successful loads: (request id, seconds from asking the prefill to the last byte, bytes)."""
         self.stats: dict[str, int] = {"sends": 0, "sends_asked_early": 0, "sends_streamed": 0, "chunks_sent_early": 0,
-                                      "sends_failed": 0, "sends_forgone": 0, "receives": 0, "receives_failed": 0,
-                                      "forgone": 0, "aborted": 0, "preempted": 0, "withheld": 0}
+                                      "sends_whole_by_rule": 0, "sends_failed": 0, "sends_forgone": 0, "receives": 0,
+                                      "receives_failed": 0, "forgone": 0, "aborted": 0, "preempted": 0, "withheld": 0}
 
     # -- start and stop --------------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, Any], block_size: int) -> str:
@@ -91,9 +95,20 @@ class WorkerSide:
         args = KVArgs(tensors, page_size=block_size, dtype=dtype, tp_rank=0, tp_size=1, num_layers=len(tensors))
         self._device = getattr(tensors[0], "device", None)  # device_event records nothing for host memory
         self._num_buffers = len(tensors)
-        if self._config.stream_layers:
+        self._set_rule(block_size)
+        if self._rule.mode != "never":
             self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         return self._start(args, f"{len(tensors)} KV tensors of {dtype}")
+
+    def _set_rule(self, block_size: int) -> None:
+        """The streaming rule for this KV: a layer's share of a block, per token, against the engine's cost."""
+        self._block_size = max(int(block_size), 1)
+        per_token = self._block_bytes / max(self._num_buffers, 1) / self._block_size
+        cfg = self._config
+        self._rule = StreamRule.of(cfg.stream_mode, cfg.engine, max(per_token, 1.0), cfg.stream_min_tokens)
+        if self._rule.mode == "auto":
+            log.info("aiotransfer connector: a pass streams layer by layer from %d tokens (%.0f bytes per token "
+                     "and layer)", self._rule.min_tokens, per_token)
 
     def _start(self, args: KVArgs, what: str) -> str:
         bg = BackgroundManager(args, self._config.transfer_config(self._tp_rank), name="aiotransfer-vllm")
@@ -130,7 +145,8 @@ class WorkerSide:
         self._by_request = True
         self._device = getattr(next(iter(attention.values())), "device", None)
         self._num_buffers = len(buffers)
-        if self._config.stream_layers:
+        self._set_rule(block_size)
+        if self._rule.mode != "never":
             region = {ptr: i for i, (ptr, _, _) in enumerate(kv)}
             self._layer_index = {name: region[_region_start(value)] for name, value in attention.items()}
         return self._start(args, f"{len(buffers)} regions of {page}-byte pages (attention KV and Mamba state)")
@@ -141,10 +157,20 @@ class WorkerSide:
 
     @property
     def streams_layers(self) -> bool:
-        """Whether rooms whose decode has asked are pushed layer by layer during the forward pass
-        (``stream_layers``; on a GPU each layer waits for the event of its kernels; hybrid models send their
-        Mamba state once the pass is over)."""
+        """Whether rooms whose decode has asked may be pushed layer by layer during the forward pass
+        (``stream_layers`` not ``"never"``; with ``"auto"``, only a pass large enough for it to pay,
+        :attr:`stream_rule`; on a GPU each layer waits for the event of its kernels; hybrid models send
+        their Mamba state once the pass is over)."""
         return bool(self._layer_index)
+
+    @property
+    def stream_rule(self) -> StreamRule:
+        """Which passes stream (set when the KV caches are registered)."""
+        return self._rule
+
+    def _streams(self, blocks: int) -> bool:
+        """Whether a pass that sends ``blocks`` blocks of each layer streams them (the rule, in tokens)."""
+        return self._rule.streams(blocks * self._block_size)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Close the manager: rooms still open fail (both sides learn why), the engine drains, memory is
@@ -225,12 +251,15 @@ class WorkerSide:
             self._pass = None
         if orders.send:
             self._pass = ForwardPass(bg.loop, self._num_buffers)
+            # A room sends at most the blocks its job completes: a pass none of whose rooms could stream
+            # them reports no layer (no loop wake-up per layer), and its rooms go whole once it is over.
+            self._pass_streams = any(self._streams(job.num_complete) for job in orders.send)
             self.start_sends(orders, self._pass)
 
     def layer_written(self, layer_name: str) -> None:
         """vLLM's ``save_kv_layer``: ``layer_name``'s KV is written (a no-op in a step with no room to push)."""
         fwd = self._pass
-        if fwd is not None:
+        if fwd is not None and self._pass_streams:
             layer = self._layer_index.get(layer_name)
             if layer is not None:
                 fwd.written(layer, device_event(self._device))
@@ -306,7 +335,8 @@ class WorkerSide:
         """Send one request's prompt, as vLLM's steps compute it (``feed``). Each job carries the step's
         forward pass while it is still under way (layer streaming), or the device event of the pass that
         computed it (KV on a GPU). With chunked prefill, once the decode has asked, each chunk's complete
-        blocks go in their own step; the rest go with the last chunk."""
+        blocks go in their own step; the rest go with the last chunk. What a pass sends goes layer by layer
+        if the decode has asked and :attr:`stream_rule` says it pays, else whole once the pass is over."""
         cfg = self._config
         self.stats["sends"] += 1
         tx: KVSender | None = None
@@ -321,28 +351,31 @@ class WorkerSide:
                 if job.last:
                     feed.final()
                     break
-                blocks = sent.take(tx, job) if tx.num_pages is not None else ()  # asked: this chunk's blocks go now
-                if blocks:
+                chunk = sent.take(tx, job) if tx.num_pages is not None else ()  # asked: this chunk's blocks go now
+                if chunk:
                     self.stats["chunks_sent_early"] += 1
-                    if fwd is not None:
-                        await self._push_layers(tx, blocks, fwd, last=False)
+                    if fwd is not None and self._streams(len(chunk)):
+                        await self._push_layers(tx, chunk, fwd, last=False)
                     else:
-                        await tx.send_kv(blocks, last=False, ready=ready, timeout=cfg.transfer_timeout)
+                        ready = await self._pass_over(fwd, ready)
+                        await tx.send_kv(chunk, last=False, ready=ready, timeout=cfg.transfer_timeout)
             asked = tx.num_pages is not None  # the decode asked before the prompt was computed (concurrent dispatch)
+            blocks = sent.take(tx, job) if asked else None
             if asked:
                 self.stats["sends_asked_early"] += 1
-            if fwd is not None and asked and tx.num_pages:
+            if fwd is not None and blocks and self._streams(len(blocks)):
                 self.stats["sends_streamed"] += 1
-                await self._push_layers(tx, sent.take(tx, job), fwd, last=True, state_block=job.state_block)
+                await self._push_layers(tx, blocks, fwd, last=True, state_block=job.state_block)
             else:
-                if fwd is not None:
-                    await fwd.finished(cfg.transfer_timeout)
-                    ready = fwd.end_ready
+                if fwd is not None and blocks:
+                    self.stats["sends_whole_by_rule"] += 1  # it could have streamed: the rule sent it whole
+                ready = await self._pass_over(fwd, ready)
                 await tx.wait_ready(timeout=cfg.lease)
                 # ready: on a GPU the pass's kernels are queued, maybe not done; no byte moves before they are
                 if job.state_block is not None:
                     await tx.send_state({STATE_KIND: [job.state_block]}, ready=ready, timeout=cfg.transfer_timeout)
-                await tx.send_kv(sent.take(tx, job), ready=ready, timeout=cfg.transfer_timeout)
+                await tx.send_kv(sent.take(tx, job) if blocks is None else blocks, ready=ready,
+                                 timeout=cfg.transfer_timeout)
             await tx.done(timeout=cfg.transfer_timeout)
         except BaseException as exc:  # any failure, cancellation included, ends the room on both sides
             failure = _reason(exc)
@@ -355,6 +388,14 @@ class WorkerSide:
             with self._lock:
                 self._feeds.pop(req_id, None)
             await self._conclude(req_id, room, tx, failure, sending=True, blocks=())
+
+    async def _pass_over(self, fwd: ForwardPass | None, ready: Any) -> Any:
+        """Wait until the pass under way (if any) is over; returns the device event a whole send of what it
+        wrote waits for (``ready`` when there is no pass: the event of the pass that computed it)."""
+        if fwd is None:
+            return ready
+        await fwd.finished(self._config.transfer_timeout)
+        return fwd.end_ready
 
     async def _push_layers(self, tx: KVSender, blocks: tuple[int, ...], fwd: ForwardPass, *, last: bool,
                            state_block: int | None = None) -> None:

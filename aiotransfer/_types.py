@@ -58,6 +58,7 @@ class _AlwaysPresent(TypedDict):
     engine_doomed: int
     engine_overdue: int
     engine_expired: int
+    engine_held: int
     control_received: int
     control_sent: int
     control_dropped: dict[str, int]

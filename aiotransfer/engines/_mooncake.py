@@ -70,6 +70,7 @@ from .._plan import Blocks
 from ..errors import ConfigError, EngineError, EngineUnavailable
 from ._base import EngineBase, EngineStatus, EngineTraits, MemoryRegion, TransferHandle
 from ._common import LoopGate
+from ._mooncake_cut import cut_connections
 from ._mooncake_preflight import fetch_descriptor
 from ._mooncake_setup import (
     MOONCAKE_PROTOCOLS,
@@ -282,6 +283,9 @@ class _SharedNative:
         self.names: dict[str, str] = {}
         """Peer session -> the alias the engine knows a restarted peer by (see ``_handshake``)."""
         self.regions: dict[tuple[int, int], int] = {}  # (ptr, nbytes) -> refcount
+        self.data_addrs: dict[str, tuple[str, int]] = {}
+        """Peer session -> the TCP data address its descriptor named when this process last fetched it (what
+        :meth:`MooncakeEngine.abandon` cuts)."""
         self.refresh_s = _env_int(REFRESH_ENV)
         """How often the engine re-reads cached peer descriptors (0: never)."""
 
@@ -452,9 +456,17 @@ class MooncakeEngine(EngineBase):
         """Any thread, no engine lock: :func:`fetch_descriptor`, the metadata request the engine's handshake
         makes, bounded by ``timeout``. A peer that does not answer it is refused here and never reaches
         ``connect``, where the engine would wait for it (60 s) holding the mutex every write takes."""
-        fetch_descriptor(peer, timeout)
+        self._fetch(peer, timeout)
         with _SharedNative.lock:
             self._reached.add(peer)
+
+    def _fetch(self, peer: str, timeout: float) -> None:
+        """:func:`fetch_descriptor`, keeping the peer's TCP data address (a restarted peer's replaces it)."""
+        desc = fetch_descriptor(peer, timeout)
+        host, port = desc.get("tcp_data_host"), desc.get("tcp_data_port")
+        if isinstance(host, str) and host and isinstance(port, int) and 0 < port < 65536:
+            with _SharedNative.lock:
+                self._shared.data_addrs[peer] = (host, port)
 
     def connect(self, peer: str, peer_info: bytes, probe_addr: int) -> None:
         """Blocking handshake (driver thread). Unless :meth:`reach` just checked the peer, it does so first
@@ -469,7 +481,7 @@ class MooncakeEngine(EngineBase):
             reached = peer in self._reached
             self._reached.discard(peer)
         if not reached:
-            fetch_descriptor(peer, self._handshake_bound)
+            self._fetch(peer, self._handshake_bound)
         with s.gate.handshake():
             if probe_addr > 0:
                 self._handshake(peer, probe_addr)
@@ -527,6 +539,31 @@ class MooncakeEngine(EngineBase):
         """Nothing to drop: the engine keeps a peer's descriptor for its lifetime, and a peer that comes
         back on the same address is re-fetched by the next handshake (see ``_handshake``)."""
 
+    def abandon(self, handle: TransferHandle) -> None:
+        """The quarantine passed and the write still runs (over TCP: a peer that is stopped). The binding can
+        neither cancel an entry nor close a peer's connections, and dropping the handle would let the engine
+        go on reading the pages once they are reused, so the adapter cuts the engine's path to the peer
+        instead (:func:`cut_connections`: every connection of this process to the peer's data port, those
+        of other managers sharing the engine too) and leaves the handle PENDING: the engine then answers -1
+        for its entries, after the reads of their source ended, and the poll loop releases the memory on
+        that answer. Where nothing can be cut (a transport other than TCP, a peer whose data address is not
+        known) the handle stays pending and its memory held until the engine ends the write."""
+        if handle.consumed:
+            return
+        s = self._shared
+        addr = s.data_addrs.get(handle.peer)
+        first = "cuts" not in handle.extra
+        say = log.warning if first else log.debug
+        if "tcp" not in s.transport.split("+") or addr is None:
+            handle.extra["cuts"] = 0
+            say("Mooncake write to %s cannot be cut (transport %s%s): its memory stays held until the engine ends "
+                "it", handle.peer, s.transport, "" if addr else ", data address unknown")
+            return
+        cut = cut_connections(*addr)
+        handle.extra["cuts"] = handle.extra.get("cuts", 0) + cut
+        say("Mooncake write to %s abandoned: %d connection(s) to its data port %s:%d shut down; its memory is "
+            "released once the engine has ended every entry", handle.peer, cut, addr[0], addr[1])
+
     def try_submit_inline(self, peer: str, blocks: Blocks) -> TransferHandle | None:
         """Post a write of up to ``_INLINE_ENTRIES`` entries from the event loop, unless that could wait:
         ``transfer_submit_write`` takes the engine's mutex, which a handshake holds across a network round
@@ -573,7 +610,7 @@ class MooncakeEngine(EngineBase):
         s = self._shared
         name = s.names.get(peer, peer)
         if name not in s.opened:
-            fetch_descriptor(peer, self._handshake_bound)
+            self._fetch(peer, self._handshake_bound)
             with s.gate.handshake():
                 self._open(peer)
         return self._submit_entries(peer, name, blocks)

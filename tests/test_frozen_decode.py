@@ -1,0 +1,86 @@
+"""A decode frozen past the release quarantine, on the real engines, in two processes.
+
+A decode stopped (SIGSTOP) with a prefill's write to it in flight: over Mooncake TCP that write never ends
+while the decode is stopped (its body cannot enter the full socket, so no deadline of the engine is armed).
+The prefill's room fails (its send gave up), and once the release quarantine has passed the prefill gives the
+write up. Its pages then go back to its scheduler, which at once fills them with the next request's bytes.
+When the decode runs again, no byte of that next request may reach it: the engine's path to the decode must
+be over before the pages are released, or the pages must stay held.
+
+Both sides are real managers (tests/peer.py); the quarantine is short (``QUARANTINE_S``) and the decode is
+stopped for twice that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from typing import Any
+
+import pytest
+
+from tests.remote import RemoteError, RemotePeer
+
+QUARANTINE_S = 3.0
+GIVE_UP_S = 1.0
+STOP_S = 2 * QUARANTINE_S
+"""The decode stays stopped at least this long: the write gives up after ``GIVE_UP_S`` and the quarantine
+ends ``QUARANTINE_S`` later. It stays stopped until the prefill has released the pages, at most ``HOLD_S``."""
+HOLD_S = 30.0
+OLD, NEXT = 0x11, 0xEE
+"""The room's bytes, and the next request's, which the prefill's scheduler writes into the same pages."""
+PAGES = [0, 1, 2, 3]
+GEOMETRIES = {"4x8MiB": (4, 2 << 20), "16x2MiB": (16, 512 << 10)}
+"""Entries (KV buffers) and page bytes: 32 MiB in all, far more than the loopback sockets hold while the
+decode is stopped. Four entries run on one connection each; of sixteen, Mooncake runs four at a time and
+starts the next ones on new connections after a cooldown of about a second, so they end over several cuts."""
+ENV = {"AIOTRANSFER_RELEASE_QUARANTINE_S": str(QUARANTINE_S), "AIOTRANSFER_STAGING": "never"}
+
+
+@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+async def test_a_write_abandoned_past_the_quarantine_sends_nothing_of_the_next_request(geometry: str) -> None:
+    buffers, item_len = GEOMETRIES[geometry]
+    GEOMETRY: dict[str, Any] = {"buffers": buffers, "pages": 8, "item_len": item_len}
+    prefill = await RemotePeer.start("mooncake_tcp", env=ENV, seed=1, **GEOMETRY)
+    decode = await RemotePeer.start("mooncake_tcp", env=ENV, **GEOMETRY)
+    loop = asyncio.get_running_loop()
+    try:
+        await prefill.call("fill", pages=PAGES, value=OLD)
+        await prefill.call("sender", room=1)
+        await decode.call("receiver", room=1, peer=prefill.endpoint, pages=PAGES)
+        await prefill.call("wait_ready", room=1)
+        decode.signal(signal.SIGSTOP)
+        stopped = loop.time()
+        with pytest.raises(RemoteError):  # the send gives up; the write stays in the engine
+            await prefill.call("send_kv", room=1, pages=PAGES, timeout=GIVE_UP_S, call_timeout=60)
+        reuse = asyncio.ensure_future(prefill.call("refill_when_released", room=1, pages=PAGES, value=NEXT,
+                                                   timeout=120, call_timeout=150))
+        await asyncio.sleep(max(0.0, STOP_S - (loop.time() - stopped)))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(reuse), HOLD_S - (loop.time() - stopped))
+        released_while_stopped = reuse.done()
+        stats = (await prefill.call("stats"))["stats"]
+        decode.signal(signal.SIGCONT)
+
+        cause = (await asyncio.wait_for(reuse, 120))["cause"]
+        seen = await decode.call("released_counts", room=1, pages=PAGES, timeout=60, after=1.0, call_timeout=90)
+        counts = (await decode.call("byte_counts", pages=PAGES))["counts"]
+        print(f"decode pages: {counts}; prefill released by {cause!r}, while stopped: {released_while_stopped}; "
+              f"{_engine_stats(stats)}")
+        assert str(NEXT) not in counts, (
+            f"{counts.get(str(NEXT), 0)} bytes of the next request reached the decode (prefill released its "
+            f"pages by {cause!r} {'while the decode was stopped' if released_while_stopped else 'after it ran'}, "
+            f"stats then: {_engine_stats(stats)})")
+        assert seen["at_release"] == seen["later"] == counts, seen
+        # the pages came back while the decode was still stopped: the engine's path to it was cut
+        assert released_while_stopped, f"the prefill held its pages until the decode ran again: {_engine_stats(stats)}"
+        assert stats["engine_expired"] >= 1, _engine_stats(stats)
+    finally:
+        decode.signal(signal.SIGCONT)
+        await decode.close()
+        await prefill.close()
+
+
+def _engine_stats(stats: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in stats.items() if k.startswith("engine_") or k in ("in_flight", "pinned_bytes")}

@@ -59,7 +59,8 @@ class Expiry:
         """Handles the driver is abandoning now (not polled meanwhile)."""
         self._held: dict[TransferHandle, _Held] = {}
         self.expired = 0
-        """Handles abandoned after ``expire_after`` (each once, however often it is abandoned again)."""
+        """Handles abandoned after ``expire_after``, counted when the first ``abandon`` returned (each once,
+        however often it is abandoned again)."""
 
     def __bool__(self) -> bool:
         return bool(self._given_up)
@@ -105,7 +106,6 @@ class Expiry:
             log.warning("engine write to %s (%d entries, %d bytes) still not ended %.3gs after it failed (%s): "
                         "abandoned; its memory is released once the engine lets go of it", handle.peer,
                         handle.entries, handle.nbytes, now - self._given_up[handle], handle.doomed or "its caller gave up")
-            self.expired += 1
         for handle in again + old:
             self._abandon(handle)
 
@@ -123,6 +123,9 @@ class Expiry:
         """``abandon`` returned: the handle ends if the engine consumed it, else it is held and polled on (a
         closed driver, the process going away, ends it at once)."""
         self._abandoning.discard(handle)
+        held = self._held.get(handle)
+        if held is None:
+            self.expired += 1
         if f is not None and not f.cancelled() and f.exception() is not None:
             log.warning("engine abandon of %r raised %r", handle, f.exception())
         if f is None and not handle.consumed:
@@ -131,7 +134,6 @@ class Expiry:
             self._end(handle)
             return
         now = self._clock()
-        held = self._held.get(handle)
         if held is None:
             self._held[handle] = _Held(now, now)
         else:

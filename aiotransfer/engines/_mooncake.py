@@ -20,6 +20,8 @@ method                          blocks?                          GIL released  t
                                 None while a handshake runs                    falls back to the driver
 ``submit_write``                short (~20 us per entry)         yes           driver
 ``check``                       no (~5 us), no engine lock       yes           event loop
+``abandon``                     no: shuts the peer's sockets     n/a           driver
+                                down (scans /proc/self/fd)
 ==============================  ===============================  ============  =========================
 
 Every write is posted entry by entry (``transfer_submit_write``) and every entry polled with
@@ -30,6 +32,10 @@ timeout or on the first failed entry while others still run, and the batch can n
 that (it frees the ids it can; docs/engines.md). Native ids are raw pointers freed by the terminal query;
 :class:`TransferHandle` makes them one-shot so no id is ever queried twice (a second query is a
 use-after-free: SIGSEGV).
+
+Past the release quarantine a write that never ended is cut, not dropped (:meth:`MooncakeEngine.abandon`,
+:mod:`aiotransfer.engines._mooncake_cut`): the engine's connections to the peer are shut down, and the
+memory comes back once the engine has answered -1 for every entry.
 
 The native engine is shared by every manager in the process under a reference count (as serving stacks
 share it between PD transfer and KV offloading); each adapter owns only its own registrations.

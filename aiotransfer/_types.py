@@ -78,6 +78,7 @@ class _AlwaysPresent(TypedDict):
     quarantines_expired: int
     peers_proven_gone: int
     rooms_refused_in_use: int
+    freezes_settled: int
     latency: dict[str, LatencySummary]
     failures_by_reason: dict[str, int]
 

@@ -31,11 +31,7 @@ multi-entry batch (``batch_transfer_async_write``) is not used: ``get_batch_tran
 timeout or on the first failed entry while others still run, and the batch can never be asked again after
 that (it frees the ids it can; docs/engines.md). Native ids are raw pointers freed by the terminal query;
 :class:`TransferHandle` makes them one-shot so no id is ever queried twice (a second query is a
-use-after-free: SIGSEGV).
-
-Past the release quarantine a write that never ended is cut, not dropped (:meth:`MooncakeEngine.abandon`,
-:mod:`aiotransfer.engines._mooncake_cut`): the engine's connections to the peer are shut down, and the
-memory comes back once the engine has answered -1 for every entry.
+use-after-free: SIGSEGV). Past the release quarantine a write is cut, not dropped (:meth:`MooncakeEngine.abandon`).
 
 The native engine is shared by every manager in the process under a reference count (as serving stacks
 share it between PD transfer and KV offloading); each adapter owns only its own registrations.
@@ -546,20 +542,16 @@ class MooncakeEngine(EngineBase):
         back on the same address is re-fetched by the next handshake (see ``_handshake``)."""
 
     def abandon(self, handle: TransferHandle) -> None:
-        """The quarantine passed and the write still runs (over TCP: a peer that is stopped). The binding can
-        neither cancel an entry nor close a peer's connections, and dropping the handle would let the engine
-        go on reading the pages once they are reused, so the adapter cuts the engine's path to the peer
-        instead (:func:`cut_connections`: every connection of this process to the peer's data port, those
-        of other managers sharing the engine too) and leaves the handle PENDING: the engine then answers -1
-        for its entries, after the reads of their source ended, and the poll loop releases the memory on
-        that answer. Where nothing can be cut (a transport other than TCP, a peer whose data address is not
-        known) the handle stays pending and its memory held until the engine ends the write."""
+        """Past the quarantine the binding can neither end an entry nor close a peer's connections, and a
+        dropped handle would let the engine read the pages once reused: cut the engine's connections to the
+        peer's data port (:func:`cut_connections`, those of other managers sharing the engine too) and leave
+        the handle PENDING; the engine answers -1 for its entries once their reads ended. Nothing cut (not
+        TCP, data address unknown): the handle stays pending, its memory held."""
         if handle.consumed:
             return
         s = self._shared
         addr = s.data_addrs.get(handle.peer)
-        first = "cuts" not in handle.extra
-        say = log.warning if first else log.debug
+        say = log.debug if "cuts" in handle.extra else log.warning
         if "tcp" not in s.transport.split("+") or addr is None:
             handle.extra["cuts"] = 0
             say("Mooncake write to %s cannot be cut (transport %s%s): its memory stays held until the engine ends "

@@ -8,7 +8,9 @@ When the decode runs again, no byte of that next request may reach it: the engin
 be over before the pages are released, or the pages must stay held.
 
 Both sides are real managers (tests/peer.py); the quarantine is short (``QUARANTINE_S``) and the decode is
-stopped for twice that.
+stopped for twice that. Mooncake over TCP cuts the path (the pages come back while the decode is stopped);
+NIXL over UCX's TCP transport holds the pages until the write ends. The last test is the decode's side: a
+decode whose own quarantine fell due while it was stopped lets what was sent to it land before it releases.
 """
 
 from __future__ import annotations

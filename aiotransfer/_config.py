@@ -197,9 +197,11 @@ class TransferConfig:
     """The bound on what the engine never ends. Decode side: how long a failed room's pages stay out of reach
     when the prefill can neither acknowledge a drain nor be proven gone (see "Page lifecycle"); after it
     they are released with a warning and ``stats()['quarantines_expired']``. Prefill side: how long after
-    its write failed an engine write the engine has still not ended keeps its memory pinned; after it the
-    handle is abandoned with a warning and ``stats()['engine_expired']``. None: twice the engine's own
-    transfer timeout (``engine_timeout_s``, or 30 s) plus ``peer_timeout``."""
+    its write failed an engine write the engine has still not ended is left alone; after it the handle is
+    abandoned with a warning and ``stats()['engine_expired']``: the engine is asked to let go (Mooncake over
+    TCP cuts its connections to the peer), and the memory comes back once it has; a write the engine cannot
+    let go of keeps it (``stats()['engine_held']``; docs/engines.md, "Past the release quarantine"). None:
+    twice the engine's own transfer timeout (``engine_timeout_s``, or 30 s) plus ``peer_timeout``."""
     checksum: bool = False
     """End-to-end CRC32 of every transferred byte, verified by decode before it reports Success."""
     staging: str = "auto"

@@ -324,6 +324,7 @@ class KVManager:
             "engine_doomed": p.doomed if p else 0,
             "engine_overdue": p.overdue if p else 0,
             "engine_expired": p.expired if p else 0,
+            "engine_held": p.held if p else 0,
             "control_received": c.received if c else 0,
             "control_sent": c.sent if c else 0,
             "control_dropped": dict(c.dropped) if c else {},

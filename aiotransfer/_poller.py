@@ -18,7 +18,8 @@
   one entry failed while others run) fails its write at once, so the room fails without delay, but it stays
   here, pinning its memory, until the engine ends it. A handle whose write gave up (doomed, timed out or
   cancelled) and that the engine has still not ended after ``expire_after`` seconds is abandoned
-  (:meth:`TransferEngine.abandon`), counted in ``expired`` and logged: the release quarantine bounds it.
+  (:mod:`._expiry`), counted in ``expired`` and logged; a handle the engine does not let go of stays here,
+  its memory held (``held``), until the engine ends it.
 * A cancelled or timed-out ``write`` returns promptly, but its handles stay registered until one of those
   ends: the memory they reference stays pinned (see :attr:`Poller.pinned`). A caller that must know when
   that is over passes ``hold``: one hold is taken per submission and per handle, and given back only once
@@ -38,6 +39,7 @@ from typing import Any, Protocol, TypeAlias
 from . import _trace
 from ._deadline import reap, within
 from ._driver import Driver
+from ._expiry import Expiry
 from ._finesleep import fine_sleep
 from ._plan import Blocks, split_blocks
 from .engines._base import EngineStatus, TransferEngine, TransferHandle
@@ -201,10 +203,9 @@ class Poller:
         self._on_done: dict[TransferHandle, Callable[[], None]] = {}
         self._holds: dict[TransferHandle, list[Callable[[], None]]] = {}
         self._guards: dict[TransferHandle, WriteGuard] = {}
-        self._given_up: dict[TransferHandle, float] = {}
-        """Handles whose write gave up on them (doomed, timed out, cancelled) -> loop time it did."""
-        self._abandoning: set[TransferHandle] = set()
-        """Handles the driver is abandoning now (not polled meanwhile)."""
+        self._expiry = Expiry(engine, driver, expire_after, end=self._finish, wake=self._wake_up,
+                              clock=lambda: self._loop.time() if self._loop is not None else 0.0)
+        """Handles whose write gave up on them (doomed, timed out, cancelled), and their quarantine."""
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -215,8 +216,6 @@ class Poller:
         self.failed = 0
         self.doomed = 0
         """Handles the engine doomed before it ended them (their write failed at once)."""
-        self.expired = 0
-        """Handles abandoned after ``expire_after``: the engine never ended them."""
 
     # -- public ---------------------------------------------------------------------------------
     @property
@@ -231,7 +230,17 @@ class Poller:
     @property
     def overdue(self) -> int:
         """Handles whose write gave up on them while the engine has not ended them yet."""
-        return len(self._given_up)
+        return self._expiry.overdue
+
+    @property
+    def expired(self) -> int:
+        """Handles abandoned after ``expire_after``: the engine had not ended them."""
+        return self._expiry.expired
+
+    @property
+    def held(self) -> int:
+        """Handles abandoned that the engine has still not ended: their memory stays held."""
+        return self._expiry.held
 
     async def write(
         self, peer: str, blocks: Blocks, *, timeout: float | None, on_done: Callable[[], None] | None = None,
@@ -345,7 +354,7 @@ class Poller:
                 for handle, f in tracked:
                     f.add_done_callback(_swallow)
                     if handle in self._polled:
-                        self._given_up.setdefault(handle, now)
+                        self._expiry.give_up(handle, now)
 
     def _stop_growing(self, handle: TransferHandle, fut: asyncio.Future[None],
                       failures: list[asyncio.Future[None]]) -> None:
@@ -451,7 +460,7 @@ class Poller:
         handle = None if f.cancelled() or f.exception() is not None else f.result()
         if handle is not None:
             self._track(handle, hold).add_done_callback(_swallow)
-            self._given_up.setdefault(handle, asyncio.get_running_loop().time())
+            self._expiry.give_up(handle, asyncio.get_running_loop().time())
         elif uncredit is not None:
             uncredit()  # nothing was posted after all
         if submitting is not None:
@@ -477,7 +486,7 @@ class Poller:
             return
         self._polled_bytes -= handle.nbytes
         self._polled_entries -= handle.entries
-        self._given_up.pop(handle, None)
+        self._expiry.forget(handle)
         self.pinned_bytes -= handle.nbytes
         assert self._loop is not None
         credits = _SHARED_CREDITS.get((self.engine.credit_scope, handle.peer, self._loop))
@@ -509,11 +518,11 @@ class Poller:
         """The engine says the write will not succeed but has not ended it: the write fails now, the handle
         (and every hold on its memory) stays until the engine ends it."""
         fut = self._polled.get(handle)
-        if fut is None or handle in self._given_up:
+        if fut is None or self._expiry.gave_up(handle):
             return
         self.doomed += 1
         assert self._loop is not None
-        self._given_up[handle] = self._loop.time()
+        self._expiry.give_up(handle, self._loop.time())
         self._on_done.pop(handle, None)
         if not fut.done():
             fut.set_exception(EngineError(handle.doomed or "engine transfer failed"))
@@ -535,31 +544,8 @@ class Poller:
         self._finish(handle)
         return True
 
-    def _expire(self, now: float) -> None:
-        """Abandon the handles whose write gave up on them more than ``expire_after`` ago. ``abandon`` may take
-        the engine's lock, so the driver makes the call; the handle is not polled meanwhile."""
-        old = [h for h, since in self._given_up.items() if now - since >= self.expire_after and h not in self._abandoning]
-        for handle in old:
-            log.warning("engine write to %s (%d entries, %d bytes) still not ended %.3gs after it failed (%s): "
-                        "abandoned; its memory is released", handle.peer, handle.entries, handle.nbytes,
-                        now - self._given_up[handle], handle.doomed or "its caller gave up")
-            self._abandoning.add(handle)
-            try:
-                fut = self.driver.call(self.engine.abandon, handle)
-            except Exception as exc:  # the driver is closed: the process is going away
-                log.debug("abandon of %r not made: %r", handle, exc)
-                self._abandoned(handle)
-                continue
-            fut.add_done_callback(functools.partial(self._abandoned, handle))
-
-    def _abandoned(self, handle: TransferHandle, f: asyncio.Future[None] | None = None) -> None:
-        self._abandoning.discard(handle)
-        if f is not None and not f.cancelled() and f.exception() is not None:
-            log.warning("engine abandon of %r raised %r", handle, f.exception())
-        if not handle.consumed:
-            handle.finish(EngineStatus.FAILED, handle.doomed or "abandoned after the release quarantine")
-        self.expired += 1
-        self._finish(handle)
+    def _wake_up(self) -> None:
+        self._wake.set()
 
     async def _poll_loop(self) -> None:
         nap, close_nap = fine_sleep(asyncio.get_running_loop(), self.fine_timer)
@@ -584,7 +570,7 @@ class Poller:
             running: dict[str, int] = {}
             ahead = _AHEAD if len(self._polled) > _DEEP else len(self._polled)
             for handle in list(self._polled):
-                if handle in self._abandoning:
+                if self._expiry.busy(handle):
                     continue
                 seen = running.get(handle.peer, 0)
                 if seen >= ahead and handle.doomed is None and not handle.landed:
@@ -593,8 +579,8 @@ class Poller:
                     progressed = True
                 else:
                     running[handle.peer] = seen + 1
-            if self._given_up:
-                self._expire(loop.time())
+            if self._expiry:
+                self._expiry.tick(loop.time())
             now = time.perf_counter()
             if progressed:
                 last_progress = now

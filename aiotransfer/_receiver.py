@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping
 
 import msgspec
@@ -21,6 +22,15 @@ from ._plan import as_index_array, bounds, check_range, check_unique
 from ._status import KVPoll
 from ._types import PageIndices
 from .errors import AiotransferError, InvalidArgument, PeerError, TransferFailed, TransferTimeout
+
+log = logging.getLogger("aiotransfer.manager")
+
+FROZEN_S = 0.5
+"""A page-lifecycle timer (the quarantine, a drain's settle) that fires this much late or more means this process
+did not run meanwhile: stopped (SIGSTOP), a paused VM, swapped out. Bytes a prefill's engine sent to it then may
+still wait in its kernel, to be applied as soon as its engine's threads run again, so the release waits
+``FROZEN_SETTLE_S`` (or the engine's landing grace, if longer) more."""
+FROZEN_SETTLE_S = 1.0
 
 __all__ = ["KVReceiver", "decode_reason"]
 
@@ -335,9 +345,27 @@ class KVReceiver(RoomSide):
                 self._release("nothing-sent")  # no prefill rank was asked to write here
                 return
             self._undrained = set(self._asked)
-            self._quarantine = asyncio.get_running_loop().call_later(
-                ctx.config.quarantine_s, self._release, "quarantine"
-            )
+            self._quarantine = self._after(ctx.config.quarantine_s, self._release, "quarantine")
+
+    def _after(self, delay: float, then: Callable[..., None], *args: str) -> asyncio.TimerHandle:
+        """``then(*args)`` in ``delay`` seconds, or, if this process did not run when it was due (the timer
+        fires ``FROZEN_S`` late or more), a settle later: what was sent to it meanwhile lands first."""
+        loop = asyncio.get_running_loop()
+        due = loop.time() + delay
+        return loop.call_at(due, self._on_time, due, then, args)
+
+    def _on_time(self, due: float, then: Callable[..., None], args: tuple[str, ...]) -> None:
+        late = asyncio.get_running_loop().time() - due
+        if late < FROZEN_S:
+            then(*args)
+            return
+        settle = max(FROZEN_SETTLE_S, self._ctx.engine.traits.landing_grace_s)
+        self._ctx.counters["freezes_settled"] += 1
+        log.warning("room %d: this process did not run for %.3gs (stopped, paused or stalled): its pages are released %.3gs "
+                    "from now, once what its prefill ranks sent meanwhile has landed", self.room, late, settle)
+        timer = asyncio.get_running_loop().call_later(settle, then, *args)
+        if then == self._release:
+            self._quarantine = timer
 
     def _release(self, cause: str) -> None:
         if self._quarantine is not None:
@@ -378,7 +406,7 @@ class KVReceiver(RoomSide):
         if settle > 0:
             if endpoint not in self._settling:
                 self._settling.add(endpoint)
-                asyncio.get_running_loop().call_later(settle, self._settled, endpoint, cause)
+                self._after(settle, self._settled, endpoint, cause)
             return True
         self._undrained.discard(endpoint)
         if not self._undrained:

@@ -58,6 +58,7 @@ class _AlwaysPresent(TypedDict):
     engine_doomed: int
     engine_overdue: int
     engine_expired: int
+    engine_held: int
     control_received: int
     control_sent: int
     control_dropped: dict[str, int]
@@ -77,6 +78,7 @@ class _AlwaysPresent(TypedDict):
     quarantines_expired: int
     peers_proven_gone: int
     rooms_refused_in_use: int
+    freezes_settled: int
     latency: dict[str, LatencySummary]
     failures_by_reason: dict[str, int]
 

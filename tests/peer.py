@@ -15,6 +15,7 @@ import asyncio
 import hashlib
 import json
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -120,6 +121,16 @@ class Peer:
 
     async def op_abort(self, mgr: KVManager, room: int, reason: str = "test abort") -> None:
         await self.rooms[room].abort(reason)
+
+    async def op_abort_then_stop(self, mgr: KVManager, room: int, reason: str = "test abort") -> None:
+        """Abort the room and stop this process (SIGSTOP) as soon as the room failed here, before the abort has
+        reached anyone: it answers once it runs again."""
+        rx = self.rooms[room]
+        aborting = asyncio.ensure_future(rx.abort(reason))
+        while rx.poll().name != "Failed":
+            await asyncio.sleep(0)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        await aborting
 
     async def op_reason(self, mgr: KVManager, room: int) -> dict[str, Any]:
         obj = self.rooms[room]

@@ -40,7 +40,8 @@ class Lifecycle:
         """Prefill rooms that ended here and still hold their pages."""
         self.rx: dict[int, ReceiverRoom] = {}
         """Decode rooms that ended here and still hold their pages."""
-        for name in ("drains_acknowledged", "quarantines_expired", "peers_proven_gone", "rooms_refused_in_use"):
+        for name in ("drains_acknowledged", "quarantines_expired", "peers_proven_gone", "rooms_refused_in_use",
+                     "freezes_settled"):
             ctx.counters[name] += 0
 
     def ended(self, tx: SenderRoom | None = None, rx: ReceiverRoom | None = None) -> None:

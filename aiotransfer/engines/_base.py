@@ -101,7 +101,8 @@ class TransferHandle:
     terminal, one entry failed while others run, an error the engine reports before it has quiesced): set
     by the adapter while ``check`` still answers PENDING. The poll loop fails the write at once with this
     reason and keeps the handle, and every hold on its memory, until ``check`` answers terminally, or until
-    the release quarantine has passed (then :meth:`TransferEngine.abandon`)."""
+    the release quarantine has passed (then :meth:`TransferEngine.abandon`, which ends it only if the engine
+    lets go of its memory)."""
     inline: bool = False
     """Posted from the event loop (``try_submit_inline``), not by the driver thread (set by the poll loop)."""
     landed: bool = False
@@ -252,9 +253,13 @@ class TransferEngine(Protocol):
     def check(self, handle: TransferHandle) -> EngineStatus: ...
 
     def abandon(self, handle: TransferHandle) -> None:
-        """Give up a handle whose write the engine never ended (its release quarantine has passed): drop or
-        park the native handle without waiting, and consume ``handle`` as FAILED. Called once, on the engine's
-        driver thread (it may take the engine's lock); the handle is not polled meanwhile."""
+        """Give up a handle whose write the engine never ended (its release quarantine has passed), without
+        waiting. Consume ``handle`` as FAILED only when the engine can no longer read or write its memory (the
+        native handle dropped or parked, nothing posted left running). Otherwise cut what the engine allows
+        (Mooncake over TCP: its connections to the peer) and leave the handle PENDING: the poll loop keeps its
+        memory, polls it on, and calls ``abandon`` again every :data:`aiotransfer._expiry.RECUT_S` until
+        ``check`` answers terminally. Called on the engine's driver thread (it may take the engine's lock);
+        the handle is not polled meanwhile."""
         ...
 
     def forget_peer(self, peer: str) -> None: ...

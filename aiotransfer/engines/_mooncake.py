@@ -20,6 +20,8 @@ method                          blocks?                          GIL released  t
                                 None while a handshake runs                    falls back to the driver
 ``submit_write``                short (~20 us per entry)         yes           driver
 ``check``                       no (~5 us), no engine lock       yes           event loop
+``abandon``                     no: shuts the peer's sockets     n/a           driver
+                                down (scans /proc/self/fd)
 ==============================  ===============================  ============  =========================
 
 Every write is posted entry by entry (``transfer_submit_write``) and every entry polled with
@@ -29,7 +31,7 @@ multi-entry batch (``batch_transfer_async_write``) is not used: ``get_batch_tran
 timeout or on the first failed entry while others still run, and the batch can never be asked again after
 that (it frees the ids it can; docs/engines.md). Native ids are raw pointers freed by the terminal query;
 :class:`TransferHandle` makes them one-shot so no id is ever queried twice (a second query is a
-use-after-free: SIGSEGV).
+use-after-free: SIGSEGV). Past the release quarantine a write is cut, not dropped (:meth:`MooncakeEngine.abandon`).
 
 The native engine is shared by every manager in the process under a reference count (as serving stacks
 share it between PD transfer and KV offloading); each adapter owns only its own registrations.
@@ -73,6 +75,7 @@ from .._plan import Blocks
 from ..errors import ConfigError, EngineError, EngineUnavailable
 from ._base import EngineBase, EngineStatus, EngineTraits, MemoryRegion, TransferHandle
 from ._common import LoopGate
+from ._mooncake_cut import cut_connections
 from ._mooncake_preflight import fetch_descriptor
 from ._mooncake_setup import (
     MOONCAKE_PROTOCOLS,
@@ -293,6 +296,9 @@ class _SharedNative:
         self.names: dict[str, str] = {}
         """Peer session -> the alias the engine knows a restarted peer by (see ``_handshake``)."""
         self.regions: dict[tuple[int, int], int] = {}  # (ptr, nbytes) -> refcount
+        self.data_addrs: dict[str, tuple[str, int]] = {}
+        """Peer session -> the TCP data address its descriptor named when this process last fetched it (what
+        :meth:`MooncakeEngine.abandon` cuts)."""
         self.refresh_s = _env_int(REFRESH_ENV)
         """How often the engine re-reads cached peer descriptors (0: never)."""
 
@@ -463,9 +469,17 @@ class MooncakeEngine(EngineBase):
         """Any thread, no engine lock: :func:`fetch_descriptor`, the metadata request the engine's handshake
         makes, bounded by ``timeout``. A peer that does not answer it is refused here and never reaches
         ``connect``, where the engine would wait for it (60 s) holding the mutex every write takes."""
-        fetch_descriptor(peer, timeout)
+        self._fetch(peer, timeout)
         with _SharedNative.lock:
             self._reached.add(peer)
+
+    def _fetch(self, peer: str, timeout: float) -> None:
+        """:func:`fetch_descriptor`, keeping the peer's TCP data address (a restarted peer's replaces it)."""
+        desc = fetch_descriptor(peer, timeout)
+        host, port = desc.get("tcp_data_host"), desc.get("tcp_data_port")
+        if isinstance(host, str) and host and isinstance(port, int) and 0 < port < 65536:
+            with _SharedNative.lock:
+                self._shared.data_addrs[peer] = (host, port)
 
     def connect(self, peer: str, peer_info: bytes, probe_addr: int) -> None:
         """Blocking handshake (driver thread). Unless :meth:`reach` just checked the peer, it does so first
@@ -480,7 +494,7 @@ class MooncakeEngine(EngineBase):
             reached = peer in self._reached
             self._reached.discard(peer)
         if not reached:
-            fetch_descriptor(peer, self._handshake_bound)
+            self._fetch(peer, self._handshake_bound)
         with s.gate.handshake():
             if probe_addr > 0:
                 self._handshake(peer, probe_addr)
@@ -538,6 +552,27 @@ class MooncakeEngine(EngineBase):
         """Nothing to drop: the engine keeps a peer's descriptor for its lifetime, and a peer that comes
         back on the same address is re-fetched by the next handshake (see ``_handshake``)."""
 
+    def abandon(self, handle: TransferHandle) -> None:
+        """Past the quarantine the binding can neither end an entry nor close a peer's connections, and a
+        dropped handle would let the engine read the pages once reused: cut the engine's connections to the
+        peer's data port (:func:`cut_connections`, those of other managers sharing the engine too) and leave
+        the handle PENDING; the engine answers -1 for its entries once their reads ended. Nothing cut (not
+        TCP, data address unknown): the handle stays pending, its memory held."""
+        if handle.consumed:
+            return
+        s = self._shared
+        addr = s.data_addrs.get(handle.peer)
+        say = log.debug if "cuts" in handle.extra else log.warning
+        if "tcp" not in s.transport.split("+") or addr is None:
+            handle.extra["cuts"] = 0
+            say("Mooncake write to %s cannot be cut (transport %s%s): its memory stays held until the engine ends "
+                "it", handle.peer, s.transport, "" if addr else ", data address unknown")
+            return
+        cut = cut_connections(*addr)
+        handle.extra["cuts"] = handle.extra.get("cuts", 0) + cut
+        say("Mooncake write to %s abandoned: %d connection(s) to its data port %s:%d shut down; its memory is "
+            "released once the engine has ended every entry", handle.peer, cut, addr[0], addr[1])
+
     def try_submit_inline(self, peer: str, blocks: Blocks) -> TransferHandle | None:
         """Post a write of up to ``_INLINE_ENTRIES`` entries from the event loop, unless that could wait:
         ``transfer_submit_write`` takes the engine's mutex, which a handshake holds across a network round
@@ -584,7 +619,7 @@ class MooncakeEngine(EngineBase):
         s = self._shared
         name = s.names.get(peer, peer)
         if name not in s.opened:
-            fetch_descriptor(peer, self._handshake_bound)
+            self._fetch(peer, self._handshake_bound)
             with s.gate.handshake():
                 self._open(peer)
         return self._submit_entries(peer, name, blocks)

@@ -545,8 +545,17 @@ class NixlEngine(AgentEngine):
             return EngineStatus.PENDING
 
     def abandon(self, handle: TransferHandle) -> None:
-        """The quarantine passed without a terminal answer: release the native handle (NIXL frees its UCX
-        requests; UCX completes any still running on its own) and end the handle FAILED."""
+        """The quarantine passed without a terminal answer.
+
+        A write NIXL still reports in progress (no error: a peer that is stopped or stalled) is kept: NIXL
+        has no call that stops a posted put or closes the path to one peer while a request holds it
+        (``remove_remote_agent`` leaves the connection to the request; releasing the handle cancels nothing),
+        and UCX reads the source when the peer takes the bytes. Measured over UCX's TCP transport with a
+        decode stopped past the quarantine: released here, every byte the scheduler then wrote into the
+        pages reached the decode when it ran again. So the handle stays PENDING, its memory held, until NIXL
+        answers DONE (the peer ran again) or an error (then the next abandon releases it). A doomed write
+        (NIXL reported an error, after which it never answers again) is released: the native handle, NIXL
+        freeing its UCX requests, and the handle ends FAILED."""
         with self._lock:
             if handle.consumed:
                 return
@@ -554,6 +563,12 @@ class NixlEngine(AgentEngine):
                 raise EngineError("abandon() of a handle this NIXL engine did not create")
             if self._closed:
                 handle.finish(EngineStatus.FAILED, handle.doomed or "NIXL engine closed")
+                return
+            if handle.doomed is None:
+                if not handle.extra.get("held"):
+                    handle.extra["held"] = True
+                    log.warning("NIXL write to %s still in progress past the quarantine: NIXL cannot cut it, so its "
+                                "memory stays held until NIXL ends it", handle.peer)
                 return
             self._terminal(handle, EngineStatus.FAILED, handle.doomed or "abandoned after the release quarantine")
             self._forget_if_idle(handle.peer)

@@ -98,7 +98,10 @@ class TransferConfig:
     """Rooms tracked at once per manager; beyond that new senders/receivers wait or fail."""
     max_sockets: int = 512
     """Outbound control sockets cached per manager; the least recently used is evicted and closed once what it
-    queued had ``RETIRE_S`` (5 s) to leave, so at most twice this many are open."""
+    queued had ``RETIRE_S`` (5 s) to leave. Beyond this many evicted ones, the oldest is handed over to ZeroMQ
+    with the rest of its time as linger (it is never closed with what it queued). ZeroMQ's socket limit is set
+    to three times this plus two; past it a send waits for room, within its timeout. Made smaller, with a
+    warning, when the process's file descriptor limit (``ulimit -n``) cannot carry about 9 per socket."""
     max_message_bytes: int = 16 * 1024 * 1024
     """Largest control message accepted, all its frames together: a bigger one is discarded while it is read,
     before it is assembled (see docs/security.md for what ZeroMQ itself buffers). Sized from the largest

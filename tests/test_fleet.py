@@ -5,9 +5,13 @@ evicted sockets deliver what they queued; and the registrations of decodes that 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections import Counter
+from collections.abc import Callable
 
+from aiotransfer._control.endpoint import ControlPlane
+from aiotransfer._control.messages import Message, Ping
 from aiotransfer._liveness import Liveness
 
 
@@ -43,3 +47,81 @@ async def test_a_heartbeat_pass_over_many_peers_never_holds_the_loop() -> None:
     print(f"longest hold of the loop over three passes of {len(peers)} pings: {worst * 1000:.1f} ms of CPU")
     assert min(pinged[ep] for ep in peers) >= 2, "a pass did not reach every peer within its interval"
     assert worst < 0.04, f"a heartbeat pass held the loop for {worst * 1000:.0f} ms"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _until(cond: Callable[[], bool], timeout: float, what: Callable[[], str]) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what()
+        await asyncio.sleep(0.02)
+
+
+async def test_the_socket_cache_lives_inside_zeromqs_own_limit() -> None:
+    """The default cache (512 sockets) with as many evicted ones still delivering: 1,100 distinct peers (one
+    listener reached at 1,100 loopback addresses) take more than ZeroMQ's default 1,023 sockets per context.
+    Every send goes through and every message arrives; no send fails with "Too many open files"."""
+    got: list[int] = []
+
+    def handler(msg: Message) -> None:
+        assert isinstance(msg, Ping)
+        got.append(msg.nonce)
+
+    port = _free_port()
+    receiver = ControlPlane("0.0.0.0", port, handler, max_sockets=8, max_message_bytes=4096)
+    sender = ControlPlane("127.0.0.1", 0, lambda _: None, max_sockets=512, max_message_bytes=4096)
+    await receiver.start()
+    await sender.start()
+    n = 1100
+    try:
+        for i in range(n):
+            peer = f"tcp://127.0.{1 + i // 250}.{1 + i % 250}:{port}"
+            await sender.send(peer, Ping(endpoint=sender.endpoint, nonce=i), timeout=10)
+        await _until(lambda: len(got) == n, 30, lambda: f"{n - len(got)} of {n} messages lost")
+        assert sorted(got) == list(range(n))
+    finally:
+        await sender.aclose(0.0)
+        await receiver.aclose(0.0)
+
+
+async def test_evicted_sockets_never_drop_what_they_queued() -> None:
+    """A cache of two sockets and 24 peers slow to come up (not listening yet): a burst of messages to each,
+    then a second message to each, evicts sockets long before their connections are made. Once the peers
+    listen, every one receives both of its messages, in order: an evicted socket is never closed with what it
+    queued (beyond ``max_sockets`` evicted ones, libzmq is left to deliver it, and the next message to that peer
+    waits for it)."""
+    ports = [_free_port() for _ in range(24)]
+    got: dict[int, list[int]] = {}
+
+    def recorder(port: int) -> Callable[[Message], None]:
+        def handler(msg: Message) -> None:
+            assert isinstance(msg, Ping)
+            got.setdefault(port, []).append(msg.nonce)
+        return handler
+
+    sender = ControlPlane("127.0.0.1", 0, lambda _: None, max_sockets=2, max_message_bytes=4096)
+    peers = [ControlPlane("127.0.0.1", port, recorder(port), max_sockets=2, max_message_bytes=4096) for port in ports]
+    await sender.start()
+    try:
+        async def to_all(nonce: int) -> None:
+            for port in ports:
+                await sender.send(f"tcp://127.0.0.1:{port}", Ping(endpoint=sender.endpoint, nonce=nonce), timeout=30)
+
+        burst = asyncio.ensure_future(asyncio.gather(to_all(1), to_all(2)))
+        await asyncio.sleep(0.3)
+        for peer in peers:
+            await peer.start()
+        await asyncio.wait_for(burst, 30)
+        await _until(lambda: sum(len(v) for v in got.values()) >= 2 * len(ports), 20,
+                     lambda: f"messages lost: {got}")
+        await asyncio.sleep(0.1)
+        assert all(got.get(port) == [1, 2] for port in ports), got
+        assert sender.evicted > 2
+    finally:
+        for plane in [sender, *peers]:
+            await plane.aclose(0.0)

@@ -115,6 +115,7 @@ class KVManager:
             on_restart=self._on_peer_restart, max_peers=self.config.max_peers,
         )
         ctx = self._ctx = RankContext(args, self.config, engine, self._liveness)
+        ctx.on_send_failed = self._on_send_failed
         self._regions = ctx.regions()
         self._registered = False
         self._engine_threads = "normal"
@@ -513,6 +514,17 @@ class KVManager:
         failed += [rx.room for rx in list(self._receivers.values())
                    if endpoint in rx.prefill_endpoints and rx.update(KVPoll.Failed, reason)]
         return failed
+
+    def _on_send_failed(self, endpoint: str, what: str, exc: AiotransferError) -> None:
+        """An answer to ``endpoint`` could not leave: the peer would hear nothing and conclude on its own, so
+        every room held with it fails here with the reason, and the peer is told the same reason (if that
+        notice can leave)."""
+        reason = f"our {what} to {endpoint} could not leave: {exc}"
+        sides: list[KVSender | KVReceiver] = [tx for tx in self._senders.values() if endpoint in tx.decode_endpoints]
+        sides += [rx for rx in self._receivers.values() if endpoint in rx.prefill_endpoints]
+        for side in sides:
+            self._ctx.spawn(side.abort(reason), "send-failed")
+        self.counters["rooms_failed_send"] += len(sides)
 
     def _on_peer_dead(self, endpoint: str, reason: str) -> None:
         self.counters["peers_declared_dead"] += 1

@@ -9,10 +9,16 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
+import pytest
+
+from aiotransfer import KVPoll
 from aiotransfer._control.endpoint import ControlPlane
-from aiotransfer._control.messages import Message, Ping
+from aiotransfer._control.messages import HelloAck, Message, Ping, Pong
 from aiotransfer._liveness import Liveness
+from aiotransfer.errors import AiotransferError, PeerError
+from tests.test_room_reuse import managers
 
 
 async def test_a_heartbeat_pass_over_many_peers_never_holds_the_loop() -> None:
@@ -125,3 +131,57 @@ async def test_evicted_sockets_never_drop_what_they_queued() -> None:
     finally:
         for plane in [sender, *peers]:
             await plane.aclose(0.0)
+
+
+def _failing(plane: ControlPlane, kind: type, times: int = 1) -> list[str]:
+    """Make ``plane``'s next ``times`` sends of a ``kind`` message fail as libzmq fails one when the process is out
+    of sockets; returns where they were going."""
+    send, failed = plane.send, []
+
+    async def wrapper(endpoint: str, msg: Message, **kw: Any) -> None:
+        if isinstance(msg, kind) and len(failed) < times:
+            failed.append(endpoint)
+            raise PeerError(f"cannot send to {endpoint}: Too many open files")
+        await send(endpoint, msg, **kw)
+
+    plane.send = wrapper  # type: ignore[method-assign]
+    return failed
+
+
+async def test_a_pong_that_cannot_leave_fails_the_rooms_on_both_sides_with_the_reason(engine: str) -> None:
+    """The prefill's answer to a decode's ping fails: the decode would hear nothing and declare the prefill
+    dead. Instead the prefill fails the room it holds with that decode, with the reason, and the decode's room
+    fails with the same reason; the failure is counted."""
+    async with managers(engine, 2, heartbeat_interval=0.1, peer_timeout=30.0) as [(dec, _), (pre, _)]:
+        tx = pre.sender(1)
+        rx = dec.receiver(1, pre.endpoint)
+        await rx.send_metadata([1, 2], timeout=10)
+        await tx.wait_ready(timeout=10)
+        failed = _failing(pre._ctx.control, Pong)
+        await _until(lambda: rx.status is KVPoll.Failed and tx.status is KVPoll.Failed, 10,
+                     lambda: f"rooms still {tx.status.name} / {rx.status.name} after the Pong failed ({failed})")
+        assert failed == [dec.endpoint]
+        assert "Too many open files" in (tx.failure_reason or "")
+        assert rx.failure_reason == tx.failure_reason
+        assert pre.stats()["control_send_failed"] == 1
+
+
+async def test_a_registration_answer_that_cannot_leave_is_not_kept_and_the_decode_learns_why(engine: str) -> None:
+    """The prefill's HelloAck fails: the registration is not kept (the decode never learned of it), the
+    failure is counted, and the decode's room fails at once with the reason, not after a timeout. The next
+    room registers again and goes through."""
+    async with managers(engine, 2, handshake_timeout=10.0) as [(dec, _), (pre, _)]:
+        failed = _failing(pre._ctx.control, HelloAck)
+        pre.sender(1)
+        rx = dec.receiver(1, pre.endpoint)
+        t0 = time.monotonic()
+        with pytest.raises(AiotransferError, match=r"could not leave: .*Too many open files"):
+            await rx.send_metadata([1, 2], timeout=10)
+        assert time.monotonic() - t0 < 5.0
+        assert failed == [dec.endpoint]
+        assert pre.stats()["control_send_failed"] == 1 and pre.stats()["decode_peers"] == 0
+        tx = pre.sender(2)
+        rx2 = dec.receiver(2, pre.endpoint)
+        await rx2.send_metadata([1, 2], timeout=10)
+        await tx.wait_ready(timeout=10)
+        assert pre.stats()["decode_peers"] == 1

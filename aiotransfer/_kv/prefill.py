@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 
+import msgspec
 import numpy as np
 
 from .. import _trace
@@ -199,8 +200,26 @@ class PrefillSide:
             reason=reason or "", engine=ctx.config.engine, session_id=ctx.engine.session_id, rank=ctx.rank_id,
             incarnation=ctx.generation,
         )
-        with contextlib.suppress(AiotransferError):
+        try:
             await ctx.control.send(hello.endpoint, ack, timeout=ctx.config.handshake_timeout)
+        except AiotransferError as exc:
+            await self._ack_lost(hello, ack, exc)
+
+    async def _ack_lost(self, hello: Hello, ack: HelloAck, exc: AiotransferError) -> None:
+        """A registration's answer could not leave: the registration is not kept (the decode never learned of
+        it), the failure is counted and fails what is held with that decode, and a refusal saying why is tried
+        once more, so that the decode fails its room with the same reason rather than a timeout."""
+        ctx = self._ctx
+        peer = self.decode_peers.get(hello.endpoint)
+        if peer is not None and peer.hello is hello:
+            del self.decode_peers[hello.endpoint]
+        ctx.send_failed(hello.endpoint, "HelloAck", exc)
+        if not ack.accepted:
+            return
+        reason = f"the prefill's answer to this registration could not leave: {exc}"
+        refusal = msgspec.structs.replace(ack, accepted=False, reason=reason)
+        with contextlib.suppress(AiotransferError):
+            await ctx.control.send(hello.endpoint, refusal, timeout=ctx.config.handshake_timeout)
 
     # -- requests ---------------------------------------------------------------------------------
     def on_request(self, req: TransferRequest) -> None:

@@ -114,8 +114,9 @@ class TransferConfig:
     max_peers: int = 4096
     """Peers whose liveness (last sign of life, blacklisting, incarnation) is tracked at once; only peers a
     room of this manager depends on are tracked, and the least recently needed is forgotten first. Also the
-    decode ranks registered with a prefill at once (a registration past it is dropped,
-    ``dropped_too-many-peers``)."""
+    decode ranks registered with a prefill at once: past it the least recently used registration that nothing
+    holds is forgotten (see ``registration_idle_s``), and only when every one is held is a new registration
+    dropped (``dropped_too-many-peers``)."""
     max_pending_per_room: int = 64
     """Transfer requests stashed for one room whose sender does not exist yet (one per decode rank)."""
     max_pending_bytes: int = 256 * 1024 * 1024
@@ -184,6 +185,11 @@ class TransferConfig:
     yield would wait behind one for a time slice, ~1-3 ms)."""
     pending_request_ttl: float = 600.0
     """How long transfer requests for a room nobody created a sender for are kept."""
+    registration_idle_s: float = 600.0
+    """A decode rank's registration with a prefill that no room has used for this long is forgotten (its next
+    request is answered "register again"). Registrations also end when their decode is declared dead or
+    registers again; at ``max_peers`` held, the least recently used one no room holds makes room for a new
+    decode (``stats()['decode_peers_forgotten']``)."""
     tombstone_ttl: float = 600.0
     """Prefill side: how long a room that failed here (aborted by its decode, or drained) is remembered, so
     that a transfer request for it arriving late is refused with the room's reason, and a sender opened for
@@ -243,7 +249,7 @@ class TransferConfig:
                 f"aux_path must be one of {[p.value for p in AuxPath]}, got {self.aux_path!r}"
             ) from None
         for name in ("handshake_timeout", "ready_timeout", "transfer_timeout", "done_timeout",
-                     "heartbeat_interval", "peer_timeout", "tombstone_ttl"):
+                     "heartbeat_interval", "peer_timeout", "tombstone_ttl", "registration_idle_s"):
             _positive(name, getattr(self, name))
         for name in (
             "max_entries_in_flight",

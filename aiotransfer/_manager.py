@@ -232,6 +232,7 @@ class KVManager:
             self._leader.add_self()
             self._liveness.start()
             ctx.spawn(self._life.prove_gone(), "prove-gone")
+            ctx.spawn(self._prefill.forget_idle_every(min(cfg.registration_idle_s / 4, 60.0)), "idle-registrations")
             if cfg.lag_probe_interval > 0:
                 ctx.spawn(upkeep.probe_loop_lag(ctx, cfg.lag_probe_interval), "lag-probe")
             if background:
@@ -534,6 +535,7 @@ class KVManager:
         peer = self._prefill.decode_peers.get(endpoint)
         if peer is not None and self._ctx.engine_or_none is not None and not self._ctx.closed:
             self._ctx.driver.call(self._ctx.engine_or_none.forget_peer, peer.session_id).add_done_callback(_logged)
+            self._prefill.forget(endpoint, reason, engine=False)  # a decode that comes back registers again
         self._events.publish(PeerEvent("dead", endpoint, tuple(rooms), reason))
 
     def _on_peer_restart(self, endpoint: str) -> None:

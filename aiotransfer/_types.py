@@ -149,6 +149,9 @@ class ManagerStats(_AlwaysPresent, _Dropped, total=False):
     peer_restarts: int
     peers_refused: int
     decode_peer_reregistered: int
+    decode_peers_forgotten: int
+    control_send_failed: int
+    rooms_failed_send: int
     pending_expired: int
     pending_duplicate: int
     pending_refused: int

@@ -11,14 +11,16 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 
-from aiotransfer import KVPoll
+from aiotransfer import KVArgs, KVManager, KVPoll, TransferConfig
 from aiotransfer._control.endpoint import ControlPlane
 from aiotransfer._control.messages import HelloAck, Message, Ping, Pong
 from aiotransfer._liveness import Liveness
 from aiotransfer.errors import AiotransferError, PeerError
-from tests.test_room_reuse import managers
+from tests.peer import digest, make_buffers
+from tests.test_room_reuse import ITEM, PAGES, managers
 
 
 async def test_a_heartbeat_pass_over_many_peers_never_holds_the_loop() -> None:
@@ -136,7 +138,7 @@ async def test_evicted_sockets_never_drop_what_they_queued() -> None:
 def _failing(plane: ControlPlane, kind: type, times: int = 1) -> list[str]:
     """Make ``plane``'s next ``times`` sends of a ``kind`` message fail as libzmq fails one when the process is out
     of sockets; returns where they were going."""
-    send, failed = plane.send, []
+    send, failed = plane.send, list[str]()
 
     async def wrapper(endpoint: str, msg: Message, **kw: Any) -> None:
         if isinstance(msg, kind) and len(failed) < times:
@@ -185,3 +187,70 @@ async def test_a_registration_answer_that_cannot_leave_is_not_kept_and_the_decod
         await rx2.send_metadata([1, 2], timeout=10)
         await tx.wait_ready(timeout=10)
         assert pre.stats()["decode_peers"] == 1
+
+
+async def test_registrations_of_decodes_that_left_are_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill holding at most 16 registrations (``max_peers``) serves 120 decode ranks that come and go, at
+    most 8 alive at once, each on a new endpoint (pods rescheduled): every one registers and moves its KV, and
+    the registrations held stay within twice those alive. A long-lived decode whose registration was forgotten
+    meanwhile (it stayed idle) is told to register again by its next request, and that room goes through."""
+    cfg: dict[str, Any] = {"engine": "memory", "max_peers": 16, "handshake_timeout": 5.0, "lag_probe_interval": 0}
+    pre_bufs = make_buffers(2, PAGES, ITEM, seed=7)
+    pre = await KVManager(KVArgs(pre_bufs, page_size=16, dtype="uint8"), TransferConfig(**cfg)).start()
+    alive: list[KVManager] = []
+    room = 0
+
+    async def transfer(dec: KVManager, bufs: list[np.ndarray]) -> None:
+        nonlocal room
+        room += 1
+        tx = pre.sender(room)
+        rx = dec.receiver(room, pre.endpoint)
+        await rx.send_metadata([room % PAGES], timeout=10)
+        await tx.wait_ready(timeout=10)
+        await tx.send_kv([1], timeout=10)
+        await rx.done(timeout=10)
+        assert digest(bufs, [room % PAGES]) == digest(pre_bufs, [1])
+
+    try:
+        old_bufs = make_buffers(2, PAGES, ITEM, seed=None)
+        old = await KVManager(KVArgs(old_bufs, page_size=16, dtype="uint8"), TransferConfig(**cfg)).start()
+        await transfer(old, old_bufs)
+        held = 0
+        for i in range(120):
+            if len(alive) == 8:
+                await alive.pop(0).aclose()
+            bufs = make_buffers(2, PAGES, ITEM, seed=None)
+            dec = await KVManager(KVArgs(bufs, page_size=16, dtype="uint8"), TransferConfig(**cfg)).start()
+            alive.append(dec)
+            await transfer(dec, bufs)
+            held = max(held, pre.stats()["decode_peers"])
+            assert held <= 2 * 9, f"{held} registrations held with {len(alive) + 1} decodes alive"
+        stats = pre.stats()
+        print(f"121 decodes registered, at most {held} registrations held; forgotten "
+              f"{stats.get('decode_peers_forgotten', 0)}")
+        assert stats.get("dropped_too-many-peers", 0) == 0
+        assert stats["decode_peers_forgotten"] >= 121 - 16
+        await transfer(old, old_bufs)  # its registration was forgotten: it registers again, and moves its KV
+        assert old.stats()["requests_sent_again"] == 1 and pre.stats()["requests_register_again"] == 1
+        await old.aclose()
+    finally:
+        for dec in alive:
+            await dec.aclose()
+        await pre.aclose()
+
+
+async def test_a_registration_idle_past_its_bound_is_forgotten() -> None:
+    """A decode that moved its KV and then stayed idle past ``registration_idle_s``: the prefill forgets its
+    registration (counted), and the decode's next room registers again and goes through."""
+    async with managers("memory", 2, registration_idle_s=0.3, lag_probe_interval=0) as [(dec, dst), (pre, src)]:
+        for room in (1, 2):
+            tx = pre.sender(room)
+            rx = dec.receiver(room, pre.endpoint)
+            await rx.send_metadata([room], timeout=10)
+            await tx.wait_ready(timeout=10)
+            await tx.send_kv([3], timeout=10)
+            await rx.done(timeout=10)
+            assert digest(dst, [room]) == digest(src, [3])
+            assert pre.stats()["decode_peers"] == 1
+            await _until(lambda: pre.stats()["decode_peers"] == 0, 5, lambda: "the idle registration is still held")
+            assert pre.stats()["decode_peers_forgotten"] == room

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import secrets
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterator, Mapping
 from typing import Any, TypeVar
@@ -81,6 +82,7 @@ class RankContext:
         self.on_send_failed: Callable[[str, str, AiotransferError], None] | None = None
         """Told when an answer to a peer could not leave (its endpoint, what it was, why): the manager fails the
         rooms it has with that peer, with the reason, and tells the peer (see :meth:`reply`)."""
+        self._send_failed_logged = 0.0
         self.started = False
         self.closed = False
         host_kv = all(b.device == "cpu" for b in args.kv)
@@ -224,7 +226,11 @@ class RankContext:
         if self.closed:
             return
         self.counters["control_send_failed"] += 1
-        log.warning("%s to %s could not leave: %s", what, endpoint, exc)
+        now = time.monotonic()
+        if now - self._send_failed_logged > 1.0:  # rate-limited: answers to a flood may all fail
+            self._send_failed_logged = now
+            log.warning("%s to %s could not leave: %s [%d so far]", what, endpoint, exc,
+                        self.counters["control_send_failed"])
         if self.on_send_failed is not None:
             self.on_send_failed(endpoint, what, exc)
 

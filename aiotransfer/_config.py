@@ -97,11 +97,12 @@ class TransferConfig:
     max_rooms: int = 65536
     """Rooms tracked at once per manager; beyond that new senders/receivers wait or fail."""
     max_sockets: int = 512
-    """Outbound control sockets cached per manager; the least recently used is evicted and closed once what it
-    queued had ``RETIRE_S`` (5 s) to leave. Beyond this many evicted ones, the oldest is handed over to ZeroMQ
-    with the rest of its time as linger (it is never closed with what it queued). ZeroMQ's socket limit is set
-    to three times this plus two; past it a send waits for room, within its timeout. Made smaller, with a
-    warning, when the process's file descriptor limit (``ulimit -n``) cannot carry about 9 per socket."""
+    """Outbound control sockets cached per manager; the least recently used is evicted and kept open up to 60 s
+    (a message to its peer takes it back, with its connection). Beyond this many evicted ones the oldest is
+    closed: one evicted less than 5 s ago is handed over to ZeroMQ with the rest of that time as linger (it is
+    never closed with what it queued). ZeroMQ's socket limit is set to three times this plus two; past it a
+    send waits for room, within its timeout. Made smaller, with a warning, when the process's file descriptor
+    limit (``ulimit -n``) cannot carry about 9 per socket."""
     max_message_bytes: int = 16 * 1024 * 1024
     """Largest control message accepted, all its frames together: a bigger one is discarded while it is read,
     before it is assembled (see docs/security.md for what ZeroMQ itself buffers). Sized from the largest
@@ -187,8 +188,8 @@ class TransferConfig:
     """How long transfer requests for a room nobody created a sender for are kept."""
     registration_idle_s: float = 600.0
     """A decode rank's registration with a prefill that no room has used for this long is forgotten (its next
-    request is answered "register again"). Registrations also end when their decode is declared dead or
-    registers again; at ``max_peers`` held, the least recently used one no room holds makes room for a new
+    request is answered "register again"). A registration also ends when its decode registers again; at
+    ``max_peers`` held, the least recently used one no room holds makes room for a new
     decode (``stats()['decode_peers_forgotten']``)."""
     tombstone_ttl: float = 600.0
     """Prefill side: how long a room that failed here (aborted by its decode, or drained) is remembered, so

@@ -330,6 +330,7 @@ class KVManager:
             "control_sent": c.sent if c else 0,
             "control_dropped": dict(c.dropped) if c else {},
             "open_sockets": c.open_sockets if c else 0,
+            "sockets_opened": c.sockets_opened if c else 0,
             "dead_peers": len(self._liveness.dead),
             "staging_bytes_in_use": arena.in_use if arena is not None else 0,
             "staging_requests_held": self._grantor.held,
@@ -535,7 +536,6 @@ class KVManager:
         peer = self._prefill.decode_peers.get(endpoint)
         if peer is not None and self._ctx.engine_or_none is not None and not self._ctx.closed:
             self._ctx.driver.call(self._ctx.engine_or_none.forget_peer, peer.session_id).add_done_callback(_logged)
-            self._prefill.forget(endpoint, reason, engine=False)  # a decode that comes back registers again
         self._events.publish(PeerEvent("dead", endpoint, tuple(rooms), reason))
 
     def _on_peer_restart(self, endpoint: str) -> None:

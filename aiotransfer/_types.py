@@ -62,6 +62,7 @@ class _AlwaysPresent(TypedDict):
     control_sent: int
     control_dropped: dict[str, int]
     open_sockets: int
+    sockets_opened: int
     dead_peers: int
     staging_bytes_in_use: int
     staging_requests_held: int

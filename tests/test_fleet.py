@@ -216,7 +216,7 @@ async def test_registrations_of_decodes_that_left_are_forgotten(monkeypatch: pyt
         old = await KVManager(KVArgs(old_bufs, page_size=16, dtype="uint8"), TransferConfig(**cfg)).start()
         await transfer(old, old_bufs)
         held = 0
-        for i in range(120):
+        for _ in range(120):
             if len(alive) == 8:
                 await alive.pop(0).aclose()
             bufs = make_buffers(2, PAGES, ITEM, seed=None)
@@ -254,3 +254,45 @@ async def test_a_registration_idle_past_its_bound_is_forgotten() -> None:
             assert pre.stats()["decode_peers"] == 1
             await _until(lambda: pre.stats()["decode_peers"] == 0, 5, lambda: "the idle registration is still held")
             assert pre.stats()["decode_peers_forgotten"] == room
+
+
+async def test_connections_to_peers_used_again_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four peers, a cache of two sockets, each peer sent a message every 0.4 s (past the 0.2 s an evicted
+    socket is given to deliver): the evicted sockets are kept and taken back, so the four connections (and
+    their CurveZMQ handshakes) are made once, not on every round; every message arrives."""
+    from aiotransfer._control import endpoint, sockets
+
+    monkeypatch.setattr(sockets, "RETIRE_S", 0.2)
+    monkeypatch.setattr(endpoint, "RETIRE_S", 0.2, raising=False)  # where it was kept before
+    got: list[int] = []
+    key = b"k" * 32
+    def handler(msg: Message) -> None:
+        assert isinstance(msg, Ping)
+        got.append(msg.nonce)
+
+    peers = [ControlPlane("127.0.0.1", 0, handler, max_sockets=2, max_message_bytes=4096, hmac_key=key)
+             for _ in range(4)]
+    sender = ControlPlane("127.0.0.1", 0, lambda _: None, max_sockets=2, max_message_bytes=4096, hmac_key=key)
+    for plane in [sender, *peers]:
+        await plane.start()
+    assert sender._ctx is not None
+    create, opened = sender._ctx.socket, list[int]()
+
+    def counting(kind: int, **kw: Any) -> Any:
+        opened.append(kind)
+        return create(kind, **kw)
+
+    monkeypatch.setattr(sender._ctx, "socket", counting)
+    sent = [0]
+    try:
+        for round_ in range(5):
+            for peer in peers:
+                await sender.send(peer.endpoint, Ping(endpoint=sender.endpoint, nonce=round_), timeout=5)
+            sent[0] += 4
+            await _until(lambda: len(got) == sent[0], 10, lambda: f"messages lost: {got}")
+            await asyncio.sleep(0.4)
+        assert len(opened) == 4, f"{len(opened)} connections made for 4 peers over 5 rounds"
+        assert sender.sockets_opened == 4
+    finally:
+        for plane in [sender, *peers]:
+            await plane.aclose(0.0)

@@ -255,6 +255,11 @@ class ControlPlane:
         return self._out
 
     @property
+    def sockets_opened(self) -> int:
+        """Outbound sockets opened so far: each a new connection (and a CurveZMQ handshake with curve on)."""
+        return self._out.opened if self._out is not None else 0
+
+    @property
     def evicted(self) -> int:
         """Outbound sockets evicted from the cache so far."""
         return self._out.evicted if self._out is not None else 0

@@ -34,7 +34,7 @@ import zmq
 
 from .._deadline import within
 
-__all__ = ["RETIRE_S", "OrderedSender", "SocketCache", "Watch", "socket_budget"]
+__all__ = ["KEEP_S", "RETIRE_S", "OrderedSender", "SocketCache", "Watch", "socket_budget"]
 
 log = logging.getLogger("aiotransfer.control")
 
@@ -131,6 +131,11 @@ RETIRE_S = 5.0
 leaves (a peer slow to connect, a burst that evicted sockets before their connections were made): closing it
 at once would drop those messages, a ``Success`` among them. A message to its peer meanwhile takes it back into
 the cache, so nothing overtakes what it queued."""
+KEEP_S = 60.0
+"""Seconds an evicted socket is kept open at most while fewer than ``max_sockets`` evicted ones are: a peer
+used again meanwhile takes its connection back, with no new TCP connection or CurveZMQ handshake (a fleet
+larger than the cache, each peer used every few seconds, kept reconnecting when evicted sockets closed after
+:data:`RETIRE_S`)."""
 _FD_RESERVE = 256
 """File descriptors left to the rest of the process (engines, files, the loop) when sizing the cache."""
 _FDS_PER_PEER = 9
@@ -162,9 +167,10 @@ class SocketCache:
     """Outbound PUSH sockets by peer endpoint, within the context's socket limit, never dropping what one queued.
 
     At most ``size`` are cached; the least recently used beyond that is evicted, not closed: it stays open
-    (retired) for :data:`RETIRE_S`, and a message to its peer meanwhile takes it back. Beyond ``size`` retired
-    sockets, the oldest is handed over to libzmq: closed with a linger of what is left of its time, so that
-    libzmq still delivers what it queued (and frees it as soon as it has). A message to that peer waits until
+    (retired) for :data:`KEEP_S`, and a message to its peer meanwhile takes it back with its connection. Beyond
+    ``size`` retired sockets, the oldest is closed: when it was retired less than :data:`RETIRE_S` ago, it is
+    handed over to libzmq with the rest of that time as linger, so that libzmq still delivers what it queued
+    (and frees it as soon as it has). A message to that peer waits until
     the linger is over, so that nothing overtakes what the old socket may still hold. When libzmq has no room
     for a new socket (handed-over sockets still delivering), a send waits for one. Only :meth:`forget` (the peer
     is gone) closes a socket with what it holds."""
@@ -175,12 +181,14 @@ class SocketCache:
         self._configure = configure
         self._out: OrderedDict[str, OrderedSender] = OrderedDict()
         self._retired: OrderedDict[str, tuple[float, OrderedSender]] = OrderedDict()
-        """Sockets evicted from :attr:`_out`, oldest first, with when each may be closed."""
+        """Sockets evicted from :attr:`_out`, oldest first, with when each was."""
         self._handed: OrderedDict[str, float] = OrderedDict()
         """Peers whose socket was handed over to libzmq, with when its linger ends (oldest first)."""
         self.evicted = 0
         self.handed_over = 0
         """Retired sockets handed over to libzmq early (too many retired at once)."""
+        self.opened = 0
+        """Sockets opened so far (each a new connection, and a CurveZMQ handshake when curve is on)."""
         self.waited = 0
         """Sends that waited for a socket (a handed-over one's linger, or room in the context)."""
 
@@ -217,9 +225,10 @@ class SocketCache:
                 sock.close(linger=0)
                 raise
             out = OrderedSender(sock)
+            self.opened += 1
         while len(self._out) >= self.size:
             old_endpoint, old = self._out.popitem(last=False)
-            self._retired[old_endpoint] = (now + RETIRE_S, old)
+            self._retired[old_endpoint] = (now, old)
             self.evicted += 1
         self._out[endpoint] = out
         self._expire(now)
@@ -243,24 +252,26 @@ class SocketCache:
         return out
 
     def _expire(self, now: float) -> None:
-        """Close the retired sockets whose time has passed (unless sends still wait on one); hand the oldest
-        beyond ``size`` retired ones over to libzmq with the rest of their time as linger."""
+        """Close the retired sockets kept for :data:`KEEP_S`, and the oldest beyond ``size`` retired ones: handed
+        over to libzmq with the rest of their :data:`RETIRE_S` as linger when they were retired more recently
+        than that. A socket that sends still wait on stays."""
         while self._handed and next(iter(self._handed.values())) <= now:
             self._handed.popitem(last=False)
         over = len(self._retired) - self.size
-        for endpoint, (until, out) in list(self._retired.items()):
-            if until > now and over <= 0:
+        for endpoint, (since, out) in list(self._retired.items()):
+            if now - since <= KEEP_S and over <= 0:
                 return
             if out.waiting:
-                continue  # sends wait for room on it: it stays, and is handed over once they are done
+                continue  # sends wait for room on it: it stays, and is closed once they are done
             del self._retired[endpoint]
             over -= 1
+            until = since + RETIRE_S
             if until > now:
                 out.sock.close(linger=max(int((until - now) * 1000), 1))  # libzmq delivers, then frees it
                 self._handed[endpoint] = until
                 self.handed_over += 1
             else:
-                out.sock.close(linger=0)  # had its time: what is left has nobody to go to
+                out.sock.close(linger=0)  # had its time to deliver: what is left has nobody to go to
 
     def forget(self, endpoint: str) -> None:
         """The peer at ``endpoint`` is gone: its socket closes, and what it still queued is dropped."""

@@ -4,10 +4,10 @@ A decode rank registers once (``Hello``: its buffers and geometry, checked here 
 when they cannot be paired with ours), then sends one ``TransferRequest`` per room. A request for a room
 whose sender does not exist yet is stashed, bounded in time and count.
 
-A registration ends when its decode is declared dead, when it registers again on its endpoint (the new one
-replaces it), or when no room has used it for ``registration_idle_s``; and, when ``max_peers`` registrations
-are held and a new decode registers, the least recently used one that no room, stashed request or pending
-registration holds is forgotten to make room. A decode whose registration was forgotten is told to register
+A registration ends when its decode registers again on its endpoint (the new one replaces it), or when no
+room has used it for ``registration_idle_s``; and, when ``max_peers`` registrations are held and a new decode
+registers, the least recently used one that no room, stashed request or pending registration holds is
+forgotten to make room (a decode declared dead holds nothing once its rooms have failed, so it goes first). A decode whose registration was forgotten is told to register
 again by its next request (the ``register_again`` answer), so forgetting loses nothing of its.
 """
 
@@ -96,9 +96,9 @@ class PrefillSide:
         held.update(self.pending.peers())
         return held
 
-    def forget(self, endpoint: str, why: str, *, engine: bool = True) -> None:
-        """End ``endpoint``'s registration (counted as ``decode_peers_forgotten``); with ``engine``, its engine
-        connection goes too when nothing holds the registration any more (``why`` is logged)."""
+    def forget(self, endpoint: str, why: str) -> None:
+        """End ``endpoint``'s registration (counted as ``decode_peers_forgotten``); its engine connection goes
+        too when nothing holds the registration any more (``why`` is logged)."""
         peer = self.decode_peers.pop(endpoint, None)
         self._used.pop(endpoint, None)
         if peer is None:
@@ -106,7 +106,7 @@ class PrefillSide:
         ctx = self._ctx
         ctx.counters["decode_peers_forgotten"] += 1
         log.info("forgetting decode %s's registration: %s", endpoint, why)
-        if engine and endpoint not in self._held() and ctx.engine_or_none is not None and not ctx.closed:
+        if endpoint not in self._held() and ctx.engine_or_none is not None and not ctx.closed:
             ctx.driver.call(ctx.engine_or_none.forget_peer, peer.session_id).add_done_callback(_logged)
 
     def forget_idle(self) -> int:

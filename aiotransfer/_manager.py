@@ -507,8 +507,13 @@ class KVManager:
             return
         nonce = secrets.randbits(32) if nonce is None else nonce
         msg = Ping(endpoint=self.endpoint, nonce=nonce, incarnation=self.generation)
+        if not control.try_send(endpoint, msg):
+            # it waits for its socket (or for room) in the background: the heartbeat pass goes on meanwhile
+            self._ctx.spawn(self._ping_later(control, endpoint, msg), "ping")
+
+    async def _ping_later(self, control: ControlPlane, endpoint: str, msg: Ping) -> None:
         with contextlib.suppress(AiotransferError):
-            await control.send(endpoint, msg, timeout=0.05)
+            await control.send(endpoint, msg, timeout=self.config.heartbeat_interval)
 
     def _fail_rooms_with(self, endpoint: str, reason: str) -> list[int]:
         failed = [tx.room for tx in list(self._senders.values())

@@ -197,7 +197,9 @@ class TransferConfig:
     it fails at once (at most ``max_rooms`` are kept; ``stats()['tombstones']``)."""
 
     lag_probe_interval: float = 0.01
-    """Period of the event-loop lag probe feeding ``stats()['latency']['loop_lag']``; 0 disables it."""
+    """Period of the event-loop lag probe feeding ``stats()['latency']['loop_lag']``; 0 disables it. Its cost on an
+    idle manager (``mooncake_tcp``, loop thread CPU, busy 2-vCPU host): 16-20 ms per second at 0.01, 5 ms at
+    0.05, 2-4 ms at 0.1, against 0.4-1.3 ms with the probe off."""
     heartbeat_interval: float = 1.0
     """Seconds between liveness pings to every peer with an open room."""
     peer_timeout: float = 3.0

@@ -296,3 +296,26 @@ async def test_connections_to_peers_used_again_are_kept(monkeypatch: pytest.Monk
     finally:
         for plane in [sender, *peers]:
             await plane.aclose(0.0)
+
+
+async def test_a_ping_that_cannot_leave_at_once_does_not_hold_the_heartbeat_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer whose socket cannot take a message now (its queue full, or its evicted socket still delivering):
+    the heartbeat's ping to it waits in the background, bounded by the interval, and the pass goes on to the
+    next peer at once (it waited up to 50 ms per such peer, so that a hundred of them held a pass for 5 s)."""
+    async with managers("memory", 1, heartbeat_interval=0.5) as [(mgr, _)]:
+        plane = mgr._ctx.control
+        waited: list[float] = []
+
+        async def waits_its_bound(endpoint: str, msg: Message, *, timeout: float, **kw: Any) -> None:
+            waited.append(timeout)
+            await asyncio.sleep(timeout)  # no room for it within its bound
+
+        monkeypatch.setattr(plane, "try_send", lambda endpoint, msg, **kw: False)
+        monkeypatch.setattr(plane, "send", waits_its_bound)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        for port in range(20):
+            await mgr._ping(f"tcp://127.0.0.1:{30000 + port}")
+        assert loop.time() - t0 < 0.2, f"20 pings held the pass for {loop.time() - t0:.2f}s"
+        await _until(lambda: len(waited) == 20, 5, lambda: f"{len(waited)} pings tried")
+        assert waited == [0.5] * 20

@@ -11,6 +11,11 @@ Only peers this manager depends on are tracked: those a room activated (:meth:`L
 ``active_peers`` names. A message naming any other endpoint changes nothing here, whoever sent it. At most
 ``max_peers`` are kept; a peer no room has depended on for ``forget_after`` seconds is forgotten (its
 blacklisting and incarnation with it), the least recently needed first when the table is full.
+
+A pass checks every peer's silence at its start, then spreads its pings over the interval: the peers are
+pinged in slices of at most :data:`SLICE`, each slice at its own share of the interval, so that the loop is never held for more than one slice's pings however many peers
+there are (every send queues without suspending: a pass of a thousand pings in one go held the loop for
+tens of milliseconds once a second).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ log = logging.getLogger("aiotransfer.liveness")
 
 _PROBE_EVERY = 5
 """Dead peers are probed every this many heartbeats."""
+SLICE = 16
+"""Peers pinged (or found silent) in one go before the pass lets the loop run other work."""
 FORGET_AFTER = 600.0
 """Seconds after which a peer no room depends on any more is forgotten."""
 
@@ -131,27 +138,44 @@ class Liveness:
                 self._forget(ep)
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         tick = 0
+        start = loop.time()
         while True:
-            await asyncio.sleep(self.interval)
+            start += self.interval
+            await asyncio.sleep(max(start - loop.time(), 0.0))
+            if loop.time() - start > self.interval:  # the loop was held past a whole pass: do not catch up
+                start = loop.time()
             tick += 1
             now = time.monotonic()
             active = set(self._active_peers())
             for ep in active:
                 self._track(ep, now)
             self._forget_idle(now, active)
-            for ep in active:
-                if ep in self.dead:
-                    continue
-                last = self.last_seen.setdefault(ep, now)
-                if now - last > self.timeout:
-                    self.dead[ep] = now
-                    self.detections.append(now - last)
-                    reason = f"peer {ep} silent for {now - last:.1f}s (dead, hung or cut off)"
-                    log.warning("%s; failing its rooms", reason)
-                    self._on_dead(ep, reason)
-                else:
-                    await self._ping(ep)
+            todo = [ep for ep in active if ep not in self.dead and not self._silent(ep, now)]
             if tick % _PROBE_EVERY == 0:
-                for ep in list(self.dead):
+                todo += list(self.dead)  # probes
+            await self._ping_spread(todo, start)
+
+    def _silent(self, ep: str, now: float) -> bool:
+        """Declare ``ep`` dead (and fail its rooms) if it has been silent for ``timeout``."""
+        last = self.last_seen.setdefault(ep, now)
+        if now - last <= self.timeout:
+            return False
+        self.dead[ep] = now
+        self.detections.append(now - last)
+        reason = f"peer {ep} silent for {now - last:.1f}s (dead, hung or cut off)"
+        log.warning("%s; failing its rooms", reason)
+        self._on_dead(ep, reason)
+        return True
+
+    async def _ping_spread(self, peers: list[str], start: float) -> None:
+        """Ping ``peers`` in slices spread over the interval that began at ``start`` (loop time)."""
+        loop = asyncio.get_running_loop()
+        slices = -(-len(peers) // SLICE)
+        for i in range(slices):
+            if i:  # the slice's share of the interval; always a real yield, even when the pass runs late
+                await asyncio.sleep(max(start + i * self.interval / slices - loop.time(), 0.0))
+            for ep in peers[i * SLICE:(i + 1) * SLICE]:
+                if ep in self._known:  # not forgotten meanwhile
                     await self._ping(ep)

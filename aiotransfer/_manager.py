@@ -115,6 +115,7 @@ class KVManager:
             on_restart=self._on_peer_restart, max_peers=self.config.max_peers,
         )
         ctx = self._ctx = RankContext(args, self.config, engine, self._liveness)
+        ctx.on_send_failed = self._on_send_failed
         self._regions = ctx.regions()
         self._registered = False
         self._engine_threads = "normal"
@@ -231,6 +232,7 @@ class KVManager:
             self._leader.add_self()
             self._liveness.start()
             ctx.spawn(self._life.prove_gone(), "prove-gone")
+            ctx.spawn(self._prefill.forget_idle_every(min(cfg.registration_idle_s / 4, 60.0)), "idle-registrations")
             if cfg.lag_probe_interval > 0:
                 ctx.spawn(upkeep.probe_loop_lag(ctx, cfg.lag_probe_interval), "lag-probe")
             if background:
@@ -329,6 +331,7 @@ class KVManager:
             "control_sent": c.sent if c else 0,
             "control_dropped": dict(c.dropped) if c else {},
             "open_sockets": c.open_sockets if c else 0,
+            "sockets_opened": c.sockets_opened if c else 0,
             "dead_peers": len(self._liveness.dead),
             "staging_bytes_in_use": arena.in_use if arena is not None else 0,
             "staging_requests_held": self._grantor.held,
@@ -505,8 +508,13 @@ class KVManager:
             return
         nonce = secrets.randbits(32) if nonce is None else nonce
         msg = Ping(endpoint=self.endpoint, nonce=nonce, incarnation=self.generation)
+        if not control.try_send(endpoint, msg):
+            # it waits for its socket (or for room) in the background: the heartbeat pass goes on meanwhile
+            self._ctx.spawn(self._ping_later(control, endpoint, msg), "ping")
+
+    async def _ping_later(self, control: ControlPlane, endpoint: str, msg: Ping) -> None:
         with contextlib.suppress(AiotransferError):
-            await control.send(endpoint, msg, timeout=0.05)
+            await control.send(endpoint, msg, timeout=self.config.heartbeat_interval)
 
     def _fail_rooms_with(self, endpoint: str, reason: str) -> list[int]:
         failed = [tx.room for tx in list(self._senders.values())
@@ -514,6 +522,17 @@ class KVManager:
         failed += [rx.room for rx in list(self._receivers.values())
                    if endpoint in rx.prefill_endpoints and rx.update(KVPoll.Failed, reason)]
         return failed
+
+    def _on_send_failed(self, endpoint: str, what: str, exc: AiotransferError) -> None:
+        """An answer to ``endpoint`` could not leave: the peer would hear nothing and conclude on its own, so
+        every room held with it fails here with the reason, and the peer is told the same reason (if that
+        notice can leave)."""
+        reason = f"our {what} to {endpoint} could not leave: {exc}"
+        sides: list[KVSender | KVReceiver] = [tx for tx in self._senders.values() if endpoint in tx.decode_endpoints]
+        sides += [rx for rx in self._receivers.values() if endpoint in rx.prefill_endpoints]
+        for side in sides:
+            self._ctx.spawn(side.abort(reason), "send-failed")
+        self.counters["rooms_failed_send"] += len(sides)
 
     def _on_peer_dead(self, endpoint: str, reason: str) -> None:
         self.counters["peers_declared_dead"] += 1

@@ -63,6 +63,7 @@ class _AlwaysPresent(TypedDict):
     control_sent: int
     control_dropped: dict[str, int]
     open_sockets: int
+    sockets_opened: int
     dead_peers: int
     staging_bytes_in_use: int
     staging_requests_held: int
@@ -151,6 +152,9 @@ class ManagerStats(_AlwaysPresent, _Dropped, total=False):
     peer_restarts: int
     peers_refused: int
     decode_peer_reregistered: int
+    decode_peers_forgotten: int
+    control_send_failed: int
+    rooms_failed_send: int
     pending_expired: int
     pending_duplicate: int
     pending_refused: int

@@ -14,6 +14,7 @@ import zmq
 from aiotransfer._control.endpoint import ControlPlane
 from aiotransfer._control.messages import Message, Ping
 from aiotransfer._control.sockets import OrderedSender, Watch
+from aiotransfer.errors import TransferTimeout
 
 
 @pytest.fixture
@@ -186,27 +187,37 @@ async def test_an_evicted_socket_still_delivers_what_it_queued_in_order() -> Non
             await plane.aclose(0.0)
 
 
-async def test_evicted_sockets_are_closed_once_they_had_their_time_or_too_many_wait(
+async def test_evicted_sockets_are_bounded_by_the_context_and_a_send_waits_for_room_instead_of_dropping(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Peers that never listen: the sockets evicted from the cache stay open a bounded time to deliver what
-    they queued, and at most ``max_sockets`` of them at once (the oldest closes first), so the sockets stay
-    bounded however many peers a flood of messages names."""
-    from aiotransfer._control import endpoint
+    they queued; beyond ``max_sockets`` of them the oldest are handed over to libzmq with the rest of their time
+    as linger, never closed with what they hold. The context's limit bounds them all however many peers a flood
+    of messages names: past it a send waits for room (bounded by its timeout) instead of dropping anything, and
+    once the lingers are over sends go through again."""
+    from aiotransfer._control import sockets
 
-    monkeypatch.setattr(endpoint, "RETIRE_S", 0.3)
+    monkeypatch.setattr(sockets, "RETIRE_S", 0.3)
     sender = ControlPlane("127.0.0.1", 0, lambda _: None, max_sockets=3, max_message_bytes=4096)
     await sender.start()
+    limit = 3 * 3 + 2
     try:
         named = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(40)]
+        sent = 0
         for i, peer in enumerate(named):
-            assert sender.try_send(peer, Ping(endpoint=sender.endpoint, nonce=i))
-            assert sender.open_sockets <= 2 * 3 + 1
-        assert sender.evicted == 37 and sender.open_sockets == 2 * 3 + 1
-        sender.forget(named[-4])  # a peer declared gone: its evicted socket closes at once too
-        assert sender.open_sockets == 2 * 3
-        await asyncio.sleep(0.4)
-        sender.try_send(f"tcp://127.0.0.1:{_free_port()}", Ping(endpoint=sender.endpoint, nonce=99))
-        assert sender.open_sockets == 3 + 1 + 1  # the cache, the socket just evicted, the inbound one
+            if not sender.try_send(peer, Ping(endpoint=sender.endpoint, nonce=i)):
+                break
+            sent += 1
+            assert sender.open_sockets <= limit
+        assert 2 * 3 < sent < limit, sent  # the cache, as many retired, then handed over until the limit
+        assert sender.evicted == sent - 3
+        with pytest.raises(TransferTimeout):  # no room in the context: it waits, and withdraws on expiry
+            await sender.send(named[sent], Ping(endpoint=sender.endpoint, nonce=0), timeout=0.05)
+        sender.forget(named[sent - 1])  # a peer declared gone: its cached socket closes at once
+        assert sender.open_sockets == sent  # the outbound ones left, and the inbound one
+        await asyncio.sleep(0.4)  # every linger is over
+        for peer in named[sent:]:
+            await sender.send(peer, Ping(endpoint=sender.endpoint, nonce=1), timeout=5)
+            assert sender.open_sockets <= limit
     finally:
         await sender.aclose(0.0)

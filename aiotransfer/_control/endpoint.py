@@ -40,7 +40,7 @@ from zmq.utils import z85
 from .._deadline import reap, within
 from ..errors import ClosedError, PeerError, ProtocolError, TransferTimeout
 from .messages import Hello, Message, Ping, RankRegister, TopologyQuery, TransferRequest, decode, encode
-from .sockets import OrderedSender
+from .sockets import SocketCache, socket_budget
 
 __all__ = ["ControlPlane", "ReplayGuard", "curve_keys", "normalize_endpoint", "signed_frames"]
 
@@ -71,13 +71,6 @@ _MAX_CAUSES = 64
 _ERROR_RETRY_S = 0.01
 """After a receive that failed (a socket error, or nothing to read where ``ZMQ_EVENTS`` said a message was in),
 the next one is tried this much later: the descriptor's signal was taken, and no new one may come."""
-RETIRE_S = 5.0
-"""Seconds an outbound socket evicted from the cache (``max_sockets``) stays open, so that what it queued still
-leaves (a peer slow to connect, a burst that evicted sockets before their connections were made): closing it
-at once would drop those messages, a ``Success`` among them. A message to its peer meanwhile takes it back into
-the cache, so nothing overtakes what it queued. It is closed once this has passed (when the next socket
-opens), or earlier when more than ``max_sockets`` evicted sockets wait: at most twice ``max_sockets`` outbound
-sockets are open."""
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 """Plain ints: ``int & IntFlag`` goes through the enum machinery on every message."""
 
@@ -197,9 +190,7 @@ class ControlPlane:
         self._max_bytes = max_message_bytes
         self._key = hmac_key
         self._pull: zmq.Socket[Any] | None = None
-        self._out: OrderedDict[str, OrderedSender] = OrderedDict()
-        self._retired: OrderedDict[str, tuple[float, OrderedSender]] = OrderedDict()
-        """Sockets evicted from :attr:`_out`, oldest first, with when each may be closed (see :data:`RETIRE_S`)."""
+        self._out: SocketCache | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reading: int | None = None
         """The inbound socket's descriptor, while the loop watches it."""
@@ -209,7 +200,6 @@ class ControlPlane:
         self.dropped: Counter[str] = Counter()
         self.received = 0
         self.sent = 0
-        self.evicted = 0
         self._last_warn = 0.0
         self.endpoint = ""
         self._counter = 0
@@ -227,6 +217,9 @@ class ControlPlane:
     async def start(self) -> None:
         self._ctx = zmq.Context()
         self._ctx.setsockopt(zmq.LINGER, 0)
+        size, limit = socket_budget(self._max_sockets)
+        self._ctx.set(zmq.MAX_SOCKETS, limit)  # ZeroMQ's default (1,023) is below what the cache may open
+        self._out = SocketCache(self._ctx, size, self._configure)
         pull = self._ctx.socket(zmq.PULL)
         pull.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + FRAME_OVERHEAD)  # per frame: see _recv_message
         if self._curve is not None:  # a host without the secret cannot complete the handshake: no frame gets in
@@ -246,48 +239,30 @@ class ControlPlane:
         loop.call_soon(self._on_readable)
 
     # -- outbound -------------------------------------------------------------------------------
-    def _socket(self, endpoint: str) -> OrderedSender:
-        """The cached socket to ``endpoint``, or the one evicted earlier that may still hold its messages
-        (taken back: one socket per peer keeps their order), or a new one. The least recently used socket
-        beyond ``max_sockets`` is evicted, not closed: see :data:`RETIRE_S`."""
-        out = self._out.get(endpoint)
-        if out is not None:
-            self._out.move_to_end(endpoint)
-            return out
-        if self._ctx is None:
-            raise ClosedError("control plane is not started")
-        self._close_retired()
-        retired = self._retired.pop(endpoint, None)
-        if retired is not None:
-            out = retired[1]
-        else:
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, 10000)
-            sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-            sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)
-            if self._curve is not None:
-                sock.curve_serverkey = self._curve[0]
-                sock.curve_publickey, sock.curve_secretkey = self._curve
-            sock.connect(endpoint)
-            out = OrderedSender(sock)
-        while len(self._out) >= self._max_sockets:
-            old_endpoint, old = self._out.popitem(last=False)
-            self._retired[old_endpoint] = (time.monotonic() + RETIRE_S, old)
-            self.evicted += 1
-        self._out[endpoint] = out
-        self._close_retired()
-        return out
+    def _configure(self, sock: zmq.Socket[Any]) -> None:
+        """Options of a new outbound socket (before it connects)."""
+        sock.setsockopt(zmq.SNDHWM, 10000)
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)
+        if self._curve is not None:
+            sock.curve_serverkey = self._curve[0]
+            sock.curve_publickey, sock.curve_secretkey = self._curve
 
-    def _close_retired(self) -> None:
-        """Close the evicted sockets whose time has passed (unless sends still wait on one), and the oldest
-        beyond ``max_sockets`` evicted ones whatever their time. Closing never blocks: linger 0."""
-        now = time.monotonic()
-        while self._retired:
-            endpoint, (until, out) = next(iter(self._retired.items()))
-            if len(self._retired) <= self._max_sockets and (until > now or out.waiting):
-                return
-            del self._retired[endpoint]
-            out.sock.close(linger=0)
+    @property
+    def _sockets(self) -> SocketCache:
+        if self._out is None:
+            raise ClosedError("control plane is not started")
+        return self._out
+
+    @property
+    def sockets_opened(self) -> int:
+        """Outbound sockets opened so far: each a new connection (and a CurveZMQ handshake with curve on)."""
+        return self._out.opened if self._out is not None else 0
+
+    @property
+    def evicted(self) -> int:
+        """Outbound sockets evicted from the cache so far."""
+        return self._out.evicted if self._out is not None else 0
 
     def frames(self, msg: Message, destination: str) -> list[bytes]:
         """The frames of ``msg`` for ``destination``; signed for that destination only when a key is set."""
@@ -315,7 +290,10 @@ class ControlPlane:
         if self._closed:
             raise ClosedError("control plane is closed")
         try:
-            if await self._socket(endpoint).send(frames, timeout) and yield_cpu:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            out = await self._sockets.get(endpoint, timeout)
+            if await out.send(frames, max(deadline - loop.time(), 0.0)) and yield_cpu:
                 _sched_yield()
         except asyncio.TimeoutError:
             raise TransferTimeout(f"control message to {endpoint} not accepted within {timeout}s") from None
@@ -333,7 +311,8 @@ class ControlPlane:
         if self._closed:
             return False
         try:
-            if not self._socket(endpoint).try_send(self.frames(msg, endpoint)):
+            out = self._sockets.now(endpoint)
+            if out is None or not out.try_send(self.frames(msg, endpoint)):
                 return False  # the caller sends it the ordinary way
         except zmq.ZMQError:
             return False
@@ -344,17 +323,14 @@ class ControlPlane:
 
     def forget(self, endpoint: str) -> None:
         """The peer at ``endpoint`` is gone: its socket closes, and what it still queued is dropped."""
-        out = self._out.pop(endpoint, None)
-        if out is not None:
-            out.sock.close(linger=0)
-        retired = self._retired.pop(endpoint, None)
-        if retired is not None:
-            retired[1].sock.close(linger=0)
+        if self._out is not None:
+            self._out.forget(endpoint)
 
     @property
     def open_sockets(self) -> int:
-        """Sockets open: cached outbound ones, evicted ones still delivering, and the inbound one."""
-        return len(self._out) + len(self._retired) + (1 if self._pull is not None else 0)
+        """Sockets open: cached outbound ones, evicted ones still delivering (see :class:`SocketCache`), and the
+        inbound one."""
+        return (len(self._out) if self._out is not None else 0) + (1 if self._pull is not None else 0)
 
     # -- inbound --------------------------------------------------------------------------------
     def parse(self, frames: list[bytes]) -> Message | None:
@@ -515,10 +491,8 @@ class ControlPlane:
             awaiting, self._awaiting = self._awaiting, None
             if isinstance(awaiting, asyncio.Task):
                 await reap(awaiting, 1.0)
-        for out in [*self._out.values(), *(out for _, out in self._retired.values())]:
-            out.sock.close(linger=int(linger * 1000))
-        self._out.clear()
-        self._retired.clear()
+        if self._out is not None:
+            self._out.close_all(linger)
         if self._pull is not None:
             self._pull.close(linger=0)
             self._pull = None

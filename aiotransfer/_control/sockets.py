@@ -22,14 +22,21 @@ Every socket here belongs to the loop's thread.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import errno
+import logging
+import resource
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from typing import Any, cast
 
 import zmq
 
 from .._deadline import within
 
-__all__ = ["Watch", "OrderedSender"]
+__all__ = ["KEEP_S", "RETIRE_S", "OrderedSender", "SocketCache", "Watch", "socket_budget"]
+
+log = logging.getLogger("aiotransfer.control")
 
 
 class Watch:
@@ -117,3 +124,167 @@ class OrderedSender:
             self._queue.remove(turn)
             if first and self._queue and not self._queue[0].done():
                 self._queue[0].set_result(None)  # the next waiter's turn
+
+
+RETIRE_S = 5.0
+"""Seconds an outbound socket evicted from the cache (``max_sockets``) stays open, so that what it queued still
+leaves (a peer slow to connect, a burst that evicted sockets before their connections were made): closing it
+at once would drop those messages, a ``Success`` among them. A message to its peer meanwhile takes it back into
+the cache, so nothing overtakes what it queued."""
+KEEP_S = 60.0
+"""Seconds an evicted socket is kept open at most while fewer than ``max_sockets`` evicted ones are: a peer
+used again meanwhile takes its connection back, with no new TCP connection or CurveZMQ handshake (a fleet
+larger than the cache, each peer used every few seconds, kept reconnecting when evicted sockets closed after
+:data:`RETIRE_S`)."""
+_FD_RESERVE = 256
+"""File descriptors left to the rest of the process (engines, files, the loop) when sizing the cache."""
+_FDS_PER_PEER = 9
+"""Descriptors one cached peer may need at worst: three sockets (cached, retired, handed over to libzmq), each
+with its mailbox and its connection, and the connection the peer makes to our inbound socket."""
+_SOCKET_WAIT_S = 0.005
+"""While libzmq has no room for another socket (handed-over sockets still delivering), a send looks again this
+often."""
+
+
+def socket_budget(max_sockets: int) -> tuple[int, int]:
+    """``(cache size, the context's MAX_SOCKETS)`` for ``max_sockets``: the cache, as many retired sockets and
+    as many handed over to libzmq (see :class:`SocketCache`), the inbound socket and one spare. ZeroMQ's own
+    default (1,023) is below what a cache of 512 needs. The cache is made smaller, with a warning, when this
+    process's limit on file descriptors (``ulimit -n``) could not carry it."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    size = max_sockets
+    if soft != resource.RLIM_INFINITY:
+        fit = max((soft - _FD_RESERVE) // _FDS_PER_PEER, 1)
+        if fit < size:
+            log.warning("max_sockets=%d needs about %d file descriptors and this process may open %d (ulimit -n): "
+                        "caching %d outbound control sockets instead", max_sockets, max_sockets * _FDS_PER_PEER
+                        + _FD_RESERVE, soft, fit)
+            size = fit
+    return size, 3 * size + 2
+
+
+class SocketCache:
+    """Outbound PUSH sockets by peer endpoint, within the context's socket limit, never dropping what one queued.
+
+    At most ``size`` are cached; the least recently used beyond that is evicted, not closed: it stays open
+    (retired) for :data:`KEEP_S`, and a message to its peer meanwhile takes it back with its connection. Beyond
+    ``size`` retired sockets, the oldest is closed: when it was retired less than :data:`RETIRE_S` ago, it is
+    handed over to libzmq with the rest of that time as linger, so that libzmq still delivers what it queued
+    (and frees it as soon as it has). A message to that peer waits until
+    the linger is over, so that nothing overtakes what the old socket may still hold. When libzmq has no room
+    for a new socket (handed-over sockets still delivering), a send waits for one. Only :meth:`forget` (the peer
+    is gone) closes a socket with what it holds."""
+
+    def __init__(self, ctx: zmq.Context[Any], size: int, configure: Callable[[zmq.Socket[Any]], None]) -> None:
+        self._ctx = ctx
+        self.size = size
+        self._configure = configure
+        self._out: OrderedDict[str, OrderedSender] = OrderedDict()
+        self._retired: OrderedDict[str, tuple[float, OrderedSender]] = OrderedDict()
+        """Sockets evicted from :attr:`_out`, oldest first, with when each was."""
+        self._handed: OrderedDict[str, float] = OrderedDict()
+        """Peers whose socket was handed over to libzmq, with when its linger ends (oldest first)."""
+        self.evicted = 0
+        self.handed_over = 0
+        """Retired sockets handed over to libzmq early (too many retired at once)."""
+        self.opened = 0
+        """Sockets opened so far (each a new connection, and a CurveZMQ handshake when curve is on)."""
+        self.waited = 0
+        """Sends that waited for a socket (a handed-over one's linger, or room in the context)."""
+
+    def __len__(self) -> int:
+        """Outbound sockets open: cached, retired, and handed over ones whose linger is not over (libzmq frees
+        those as soon as they have delivered: this counts them until the latest)."""
+        self._expire(time.monotonic())
+        return len(self._out) + len(self._retired) + len(self._handed)
+
+    def now(self, endpoint: str) -> OrderedSender | None:
+        """The socket to ``endpoint`` if one can be had without waiting; None otherwise."""
+        out = self._out.get(endpoint)
+        if out is not None:
+            self._out.move_to_end(endpoint)
+            return out
+        now = time.monotonic()
+        self._expire(now)
+        if endpoint in self._handed:
+            return None
+        retired = self._retired.pop(endpoint, None)
+        if retired is not None:
+            out = retired[1]
+        else:
+            try:
+                sock = self._ctx.socket(zmq.PUSH)
+            except zmq.ZMQError as exc:
+                if exc.errno == errno.EMFILE:
+                    return None
+                raise
+            try:
+                self._configure(sock)
+                sock.connect(endpoint)
+            except BaseException:
+                sock.close(linger=0)
+                raise
+            out = OrderedSender(sock)
+            self.opened += 1
+        while len(self._out) >= self.size:
+            old_endpoint, old = self._out.popitem(last=False)
+            self._retired[old_endpoint] = (now, old)
+            self.evicted += 1
+        self._out[endpoint] = out
+        self._expire(now)
+        return out
+
+    async def get(self, endpoint: str, timeout: float) -> OrderedSender:
+        """The socket to ``endpoint``, waiting at most ``timeout`` seconds for one (:class:`asyncio.TimeoutError`)."""
+        out = self.now(endpoint)
+        if out is not None:
+            return out
+        self.waited += 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (out := self.now(endpoint)) is None:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise asyncio.TimeoutError
+            until = self._handed.get(endpoint)
+            wait = until - time.monotonic() if until is not None else _SOCKET_WAIT_S
+            await asyncio.sleep(min(max(wait, 0.0), left))
+        return out
+
+    def _expire(self, now: float) -> None:
+        """Close the retired sockets kept for :data:`KEEP_S`, and the oldest beyond ``size`` retired ones: handed
+        over to libzmq with the rest of their :data:`RETIRE_S` as linger when they were retired more recently
+        than that. A socket that sends still wait on stays."""
+        while self._handed and next(iter(self._handed.values())) <= now:
+            self._handed.popitem(last=False)
+        over = len(self._retired) - self.size
+        for endpoint, (since, out) in list(self._retired.items()):
+            if now - since <= KEEP_S and over <= 0:
+                return
+            if out.waiting:
+                continue  # sends wait for room on it: it stays, and is closed once they are done
+            del self._retired[endpoint]
+            over -= 1
+            until = since + RETIRE_S
+            if until > now:
+                out.sock.close(linger=max(int((until - now) * 1000), 1))  # libzmq delivers, then frees it
+                self._handed[endpoint] = until
+                self.handed_over += 1
+            else:
+                out.sock.close(linger=0)  # had its time to deliver: what is left has nobody to go to
+
+    def forget(self, endpoint: str) -> None:
+        """The peer at ``endpoint`` is gone: its socket closes, and what it still queued is dropped."""
+        out = self._out.pop(endpoint, None)
+        if out is not None:
+            out.sock.close(linger=0)
+        retired = self._retired.pop(endpoint, None)
+        if retired is not None:
+            retired[1].sock.close(linger=0)
+
+    def close_all(self, linger: float) -> None:
+        for out in [*self._out.values(), *(out for _, out in self._retired.values())]:
+            out.sock.close(linger=int(linger * 1000))
+        self._out.clear()
+        self._retired.clear()
+        self._handed.clear()

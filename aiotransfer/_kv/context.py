@@ -12,6 +12,7 @@ import contextlib
 import logging
 import secrets
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterator, Mapping
 from typing import Any, TypeVar
@@ -78,6 +79,10 @@ class RankContext:
         self.engine_info = b""
         """What a peer needs to reach our engine (``engine.local_info()`` once our memory is registered)."""
         self.control_or_none: ControlPlane | None = None
+        self.on_send_failed: Callable[[str, str, AiotransferError], None] | None = None
+        """Told when an answer to a peer could not leave (its endpoint, what it was, why): the manager fails the
+        rooms it has with that peer, with the reason, and tells the peer (see :meth:`reply`)."""
+        self._send_failed_logged = 0.0
         self.started = False
         self.closed = False
         host_kv = all(b.device == "cpu" for b in args.kv)
@@ -207,11 +212,27 @@ class RankContext:
         await self.control.send(endpoint, msg, timeout=deadline.remaining(), yield_cpu=yield_cpu)
 
     async def reply(self, endpoint: str, msg: Message) -> None:
-        """Best-effort answer, bounded by the handshake timeout; a lost answer is the asker's timeout."""
+        """An answer, bounded by the handshake timeout. One that cannot leave is not swallowed: it is counted
+        (``control_send_failed``) and :attr:`on_send_failed` fails the rooms held with that peer."""
         if self.control_or_none is None:
             return
-        with contextlib.suppress(AiotransferError):
+        try:
             await self.control_or_none.send(endpoint, msg, timeout=self.config.handshake_timeout)
+        except AiotransferError as exc:
+            self.send_failed(endpoint, type(msg).__name__, exc)
+
+    def send_failed(self, endpoint: str, what: str, exc: AiotransferError) -> None:
+        """A message to ``endpoint`` could not leave (see :meth:`reply`)."""
+        if self.closed:
+            return
+        self.counters["control_send_failed"] += 1
+        now = time.monotonic()
+        if now - self._send_failed_logged > 1.0:  # rate-limited: answers to a flood may all fail
+            self._send_failed_logged = now
+            log.warning("%s to %s could not leave: %s [%d so far]", what, endpoint, exc,
+                        self.counters["control_send_failed"])
+        if self.on_send_failed is not None:
+            self.on_send_failed(endpoint, what, exc)
 
     def yield_after_notify(self) -> bool:
         """Yield the CPU to ZMQ's I/O thread after a Success (prefill) or a transfer request (decode), the two

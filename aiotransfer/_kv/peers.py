@@ -194,5 +194,9 @@ class PendingRequests:
         entry = self._pop(room)
         return entry.items if entry is not None else None
 
+    def peers(self) -> list[str]:
+        """Decode endpoints with requests held now."""
+        return list(self._per_peer)
+
     def __len__(self) -> int:
         return len(self._rooms)

@@ -3,6 +3,12 @@
 A decode rank registers once (``Hello``: its buffers and geometry, checked here and refused with the reason
 when they cannot be paired with ours), then sends one ``TransferRequest`` per room. A request for a room
 whose sender does not exist yet is stashed, bounded in time and count.
+
+A registration ends when its decode registers again on its endpoint (the new one replaces it), or when no
+room has used it for ``registration_idle_s``; and, when ``max_peers`` registrations are held and a new decode
+registers, the least recently used one that no room, stashed request or pending registration holds is
+forgotten to make room (a decode declared dead holds nothing once its rooms have failed, so it goes first). A decode whose registration was forgotten is told to register
+again by its next request (the ``register_again`` answer), so forgetting loses nothing of its.
 """
 
 from __future__ import annotations
@@ -11,8 +17,10 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
+import msgspec
 import numpy as np
 
 from .. import _trace
@@ -68,14 +76,83 @@ class PrefillSide:
         self._after: dict[str, int] = {}
         """Requests waiting for their decode's registration to be checked, by decode endpoint (bounded by
         ``max_pending_per_peer``)."""
+        self._used: OrderedDict[str, float] = OrderedDict()
+        """Registered decode endpoints -> when a registration or request last used them (monotonic), least
+        recent first."""
+        self._none_idle_until = 0.0
+        """A full table had nothing to forget: until then a registration of a new decode is dropped at once."""
+
+    # -- registrations that end -------------------------------------------------------------------
+    def _use(self, endpoint: str) -> None:
+        self._used[endpoint] = time.monotonic()
+        self._used.move_to_end(endpoint)
+
+    def _held(self) -> set[str]:
+        """Decode endpoints whose registration something still holds: a room open or draining, a stashed request,
+        a request waiting for its registration to be checked."""
+        held = {ep for tx in self._senders.values() for ep in tx.decode_endpoints}
+        held.update(ep for tx in self._draining.values() for ep in tx.decode_endpoints)
+        held.update(self._after)
+        held.update(self.pending.peers())
+        return held
+
+    def forget(self, endpoint: str, why: str) -> None:
+        """End ``endpoint``'s registration (counted as ``decode_peers_forgotten``); its engine connection goes
+        too when nothing holds the registration any more (``why`` is logged)."""
+        peer = self.decode_peers.pop(endpoint, None)
+        self._used.pop(endpoint, None)
+        if peer is None:
+            return
+        ctx = self._ctx
+        ctx.counters["decode_peers_forgotten"] += 1
+        log.info("forgetting decode %s's registration: %s", endpoint, why)
+        if endpoint not in self._held() and ctx.engine_or_none is not None and not ctx.closed:
+            ctx.driver.call(ctx.engine_or_none.forget_peer, peer.session_id).add_done_callback(_logged)
+
+    def forget_idle(self) -> int:
+        """Forget the registrations no room has used for ``registration_idle_s``; how many."""
+        now, idle = time.monotonic(), self._ctx.config.registration_idle_s
+        old = []
+        for ep, since in self._used.items():
+            if now - since <= idle:
+                break
+            old.append(ep)
+        held = self._held() if old else set()
+        old = [ep for ep in old if ep not in held]
+        for ep in old:
+            self.forget(ep, f"no room used it for {idle:g}s")
+        return len(old)
+
+    async def forget_idle_every(self, period: float) -> None:
+        while True:
+            await asyncio.sleep(period)
+            self.forget_idle()
+
+    def _make_room(self) -> bool:
+        """With ``max_peers`` registrations held: forget the least recently used one nothing holds; False when
+        every one is held."""
+        now = time.monotonic()
+        if now < self._none_idle_until:
+            return False
+        self.forget_idle()
+        if len(self.decode_peers) + len(self._hellos) < self._ctx.config.max_peers:
+            return True
+        held = self._held()
+        for ep in self._used:
+            if ep not in held and ep not in self._hellos:
+                self.forget(ep, f"max_peers ({self._ctx.config.max_peers}) registrations held; least recently used")
+                return True
+        self._none_idle_until = now + 0.1
+        return False
 
     # -- registration -----------------------------------------------------------------------------
     def on_hello(self, msg: Hello) -> None:
         if msg.endpoint in self._hellos:
             return
         ctx = self._ctx
-        if msg.endpoint not in self.decode_peers and len(self.decode_peers) + len(self._hellos) >= ctx.config.max_peers:
-            ctx.drop("too-many-peers", msg.endpoint)  # registrations are bounded: the decode waits out its own
+        if (msg.endpoint not in self.decode_peers and len(self.decode_peers) + len(self._hellos) >= ctx.config.max_peers
+                and not self._make_room()):
+            ctx.drop("too-many-peers", msg.endpoint)  # every registration is held: the decode waits out its own
             return
         task = self._ctx.spawn(self._answer_hello(msg), f"hello-{msg.endpoint}")
         self._hellos[msg.endpoint] = task
@@ -191,6 +268,7 @@ class PrefillSide:
                 ctx.counters["decode_peer_reregistered"] += 1
                 self._fail_rooms_with(hello.endpoint, f"decode {hello.endpoint} registered again (restarted?)")
             self.decode_peers[hello.endpoint] = DecodePeer.from_hello(hello, verdict)
+            self._use(hello.endpoint)
         else:
             ctx.counters["peers_refused"] += 1
             log.warning("refusing decode peer %s: %s", hello.endpoint, reason)
@@ -199,8 +277,27 @@ class PrefillSide:
             reason=reason or "", engine=ctx.config.engine, session_id=ctx.engine.session_id, rank=ctx.rank_id,
             incarnation=ctx.generation,
         )
-        with contextlib.suppress(AiotransferError):
+        try:
             await ctx.control.send(hello.endpoint, ack, timeout=ctx.config.handshake_timeout)
+        except AiotransferError as exc:
+            await self._ack_lost(hello, ack, exc)
+
+    async def _ack_lost(self, hello: Hello, ack: HelloAck, exc: AiotransferError) -> None:
+        """A registration's answer could not leave: the registration is not kept (the decode never learned of
+        it), the failure is counted and fails what is held with that decode, and a refusal saying why is tried
+        once more, so that the decode fails its room with the same reason rather than a timeout."""
+        ctx = self._ctx
+        peer = self.decode_peers.get(hello.endpoint)
+        if peer is not None and peer.hello is hello:
+            del self.decode_peers[hello.endpoint]
+            self._used.pop(hello.endpoint, None)
+        ctx.send_failed(hello.endpoint, "HelloAck", exc)
+        if not ack.accepted:
+            return
+        reason = f"the prefill's answer to this registration could not leave: {exc}"
+        refusal = msgspec.structs.replace(ack, accepted=False, reason=reason)
+        with contextlib.suppress(AiotransferError):
+            await ctx.control.send(hello.endpoint, refusal, timeout=ctx.config.handshake_timeout)
 
     # -- requests ---------------------------------------------------------------------------------
     def on_request(self, req: TransferRequest) -> None:
@@ -224,6 +321,7 @@ class PrefillSide:
             # registered again since): nothing of the request is taken, the decode registers and resends
             self.on_stranger(req)
             return
+        self._use(req.endpoint)
         try:
             idx = unpack_indices(req.kv_indices)
             if not req.is_dummy:
@@ -404,3 +502,9 @@ class PrefillSide:
         if tx.status is KVPoll.Failed:
             self.tombstones.bury(tx.room, tx.failure_reason or "failed", opened=True)
 
+
+
+def _logged(fut: asyncio.Future[None]) -> None:
+    """A background engine call's failure is logged, never raised."""
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("engine call failed: %r", fut.exception())

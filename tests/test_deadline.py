@@ -8,12 +8,16 @@ from __future__ import annotations
 import asyncio
 import sys
 import weakref
+from typing import cast
 
+import numpy as np
 import pytest
 
 from aiotransfer._deadline import reap, within
-from aiotransfer._poller import Credits
+from aiotransfer._driver import Driver
+from aiotransfer._poller import Credits, Poller
 from aiotransfer._staging import StagingArena
+from aiotransfer.engines._base import TransferEngine
 from aiotransfer.errors import TransferTimeout
 
 
@@ -137,3 +141,40 @@ async def test_a_reaped_task_keeps_nothing_its_frames_referenced() -> None:
     del held
     assert await reap(task, 1)
     assert alive() is None
+
+
+async def test_a_peers_credits_are_forgotten_once_none_are_in_use() -> None:
+    """A process that writes to many peers over its life keeps credit entries only for peers with writes in
+    flight (or waiting for credit): the table is empty again once every write ended. The entries are keyed by
+    the engine and loop objects, so a later engine reusing a dead one's id cannot inherit its credit."""
+    from aiotransfer import _poller
+    from aiotransfer._plan import Blocks
+    from aiotransfer.engines._base import MemoryRegion
+    from aiotransfer.testing import MemoryEngine, MemoryFabric
+
+    fabric = MemoryFabric()
+    src = MemoryEngine(fabric)
+    buf = np.zeros(1 << 16, dtype=np.uint8)
+    base = int(buf.ctypes.data)
+    src.register([MemoryRegion(base, buf.nbytes)])
+    peers = []
+    for _ in range(20):
+        dst = MemoryEngine(fabric)
+        into = np.zeros(1 << 16, dtype=np.uint8)
+        dst.register([MemoryRegion(int(into.ctypes.data), into.nbytes)])
+        src.connect(dst.session_id, b"", 0)
+        peers.append((dst, into))
+    driver = Driver("deadline-credit-table-test")
+    poller = Poller(cast(TransferEngine, src), driver, max_in_flight=64, max_batch=1024, interval_min=0.0001,
+                    interval_max=0.001, expire_after=5.0)
+    before = len(_poller._SHARED_CREDITS)
+    try:
+        writes = [poller.write(dst.session_id, Blocks(base + np.arange(2, dtype=np.uint64) * 4096, int(into.ctypes.data) + np.arange(2, dtype=np.uint64) * 4096, np.full(2, 4096, dtype=np.uint64)), timeout=10)
+                  for dst, into in peers]
+        await asyncio.wait_for(asyncio.gather(*writes), 10)
+        assert len(_poller._SHARED_CREDITS) == before
+        mine = [k for k in _poller._SHARED_CREDITS if k[0] is src.credit_scope]
+        assert mine == []
+    finally:
+        await poller.aclose(1.0)
+        driver.close()

@@ -19,6 +19,7 @@ from aiotransfer.engines import _mooncake as mc
 from aiotransfer.engines._base import EngineBase, EngineStatus, EngineTraits, TransferEngine, TransferHandle
 from aiotransfer.engines._common import RegionIndex, map_errors, quietly
 from aiotransfer.engines._mooncake_setup import recommended_wheels
+from aiotransfer.engines._mooncake_stderr import without_benign_start_lines
 from aiotransfer.errors import ClosedError, ConfigError, EngineError, EngineUnavailable
 from tests import fake_mori
 
@@ -223,7 +224,7 @@ BENIGN = [b"WARNING: Logging before InitGoogleLogging() is written to STDERR\n",
 def test_init_filter_drops_only_the_benign_start_lines(capfd: pytest.CaptureFixture[str]) -> None:
     others = [b"W1123 22:50:00.856245  4803 transfer_engine_py.cpp:120] Using default malloc\n",
               b"E1123 22:50:00.856999  4803 transfer_metadata.cpp:1100] Failed to retrieve segment descriptor\n"]
-    with mc._without_benign_start_lines():
+    with without_benign_start_lines():
         for line in [*BENIGN, *others]:
             os.write(2, line)
     for line in BENIGN:

@@ -49,22 +49,20 @@ InitGoogleLogging() is written to STDERR`` (Mooncake never initialises glog), ``
 malloc/free for protocol: tcp`` (at ``MC_LOG_LEVEL=WARNING`` or lower), and, in P2P handshake mode,
 ``E... transfer_metadata.cpp:NNN] Local segment descriptor not found``: installing a transport looks up the
 descriptor of its own segment before creating it. The adapter drops exactly these lines, only while
-``initialize`` runs (:func:`_without_benign_start_lines`), and logs them at DEBUG; every other line passes
+``initialize`` runs (:func:`~aiotransfer.engines._mooncake_stderr.without_benign_start_lines`), and logs them at DEBUG; every other line passes
 through.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import re
 import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from itertools import repeat, takewhile
 from typing import Any
 
@@ -87,6 +85,7 @@ from ._mooncake_setup import (
     read_build_flags,
     select_mooncake_setup,
 )
+from ._mooncake_stderr import without_benign_start_lines
 
 __all__ = [
     "MOONCAKE_PROTOCOLS",
@@ -125,12 +124,6 @@ Every write is posted entry by entry and polled from the loop."""
 _RC_ALREADY_REGISTERED = -7
 _HANDSHAKE_RETRY_S = 0.25
 _HANDSHAKE_WINDOW_S = 2.0
-_BENIGN_START_LINES = re.compile(
-    rb"WARNING: Logging before InitGoogleLogging\(\) is written to STDERR\s*"
-    rb"|W\d{4,8} [\d:.]+ +\d+ transfer_engine_py\.cpp:\d+\] Using default malloc/free for protocol: \w*\s*"
-    rb"|E\d{4,8} [\d:.]+ +\d+ transfer_metadata\.cpp:\d+\] Local segment descriptor not found\s*"
-)
-"""The glog lines :func:`_without_benign_start_lines` drops (any timestamp, thread id and line number)."""
 
 _LOAD_APPLIED: dict[str, str] = {}
 """What ``_import_engine_module`` set before the first import (reported with the engine's start line)."""
@@ -212,62 +205,6 @@ def _env_int(name: str) -> int:
         return max(0, int(os.environ.get(name, "0")))
     except ValueError:
         return 0
-
-
-@contextlib.contextmanager
-def _without_benign_start_lines() -> Iterator[None]:
-    """While the block runs, pass file descriptor 2 through a filter that drops Mooncake's benign start-up
-    lines (``_BENIGN_START_LINES``); every other line is forwarded at once, in order.
-
-    glog prints its ``Logging before InitGoogleLogging()`` notice before the first line a process logs, and
-    Mooncake's Python binding logs ``Using default malloc/free`` for a protocol that needs no allocator of
-    its own (TCP, for one): both say nothing about this engine. Where ``Local segment descriptor not found`` comes
-    from (Mooncake 0.3.13, ``TcpTransport::install`` and ``RdmaTransport::install``):
-    ``initialize`` installs a transport, whose ``allocateLocalSegmentID`` first asks the metadata layer for
-    an existing descriptor of its own segment (``getSegmentDesc(local_server_name)``) so that it can add
-    its protocol to it. In P2P handshake mode that lookup begins by reading the *local* segment, which
-    that very call is about to create, so it logs the ERROR and returns nothing; the transport then creates
-    the descriptor and everything works. It happens inside ``initialize``, before the adapter can call
-    anything, so no call order on our side avoids it. The filter is active only during ``initialize``:
-    the same lines at any other time (a real fault) are not touched.
-    """
-    with contextlib.suppress(Exception):
-        sys.stderr.flush()
-    try:
-        saved = os.dup(2)
-    except OSError:  # no stderr at all: nothing to filter
-        yield
-        return
-    read_fd, write_fd = os.pipe()
-    dropped: list[bytes] = []
-
-    def pump() -> None:
-        with os.fdopen(read_fd, "rb") as lines:
-            for line in lines:
-                if _BENIGN_START_LINES.fullmatch(line):
-                    dropped.append(line)
-                else:
-                    with contextlib.suppress(OSError):
-                        os.write(saved, line)
-
-    thread = threading.Thread(target=pump, name="aiotransfer-mooncake-stderr", daemon=True)
-    thread.start()
-    os.dup2(write_fd, 2)
-    os.close(write_fd)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stderr.flush()
-        os.dup2(saved, 2)  # closes the pipe's last write end: the pump sees EOF
-        thread.join(5.0)
-        if thread.is_alive():  # a child process inherited the pipe: leave the pump its copy of stderr
-            log.debug("Mooncake stderr filter still draining after initialize")
-        else:
-            os.close(saved)
-        if dropped:
-            log.debug("Mooncake logged its benign start-up lines: %s",
-                      " | ".join(line.decode(errors="replace").strip() for line in dropped))
 
 
 class _SharedNative:
@@ -370,7 +307,7 @@ class MooncakeEngine(EngineBase):
             log.warning("Mooncake: %s", note)
         native = module.TransferEngine()
         hostname = setup.local_hostname(config.hostname, _free_port() if setup.npu_id is not None else None)
-        with _without_benign_start_lines():
+        with without_benign_start_lines():
             rc = native.initialize(hostname, "P2PHANDSHAKE", setup.protocol, setup.device_name)
         if rc != 0:
             raise EngineError(

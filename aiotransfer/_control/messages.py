@@ -209,8 +209,10 @@ class Status(msgspec.Struct, tag="status", frozen=True):
     aux_path: _Name = ""
     checksum: Annotated[int, msgspec.Meta(ge=-1, lt=1 << 32)] = -1
     """CRC32 of every byte this rank wrote for the room, in canonical order (-1: not computed)."""
-    slices: Annotated[list[_Dim], msgspec.Meta(max_length=6 * MAX_BUFFERS)] = []
-    """For the checksum, per paired buffer: rows, heads, start, count, head_bytes and the decode buffer index."""
+    slices: Annotated[list[int], msgspec.Meta(max_length=6 * MAX_BUFFERS)] = []
+    """For the checksum, per paired buffer: rows, heads, start, count, head_bytes and the decode buffer index.
+    Checked where they are read, not by the decoder: a Success whose geometry does not fit our buffers fails
+    its room on both sides at once, where a dropped message would leave it open until ``done_timeout``."""
     register_again: bool = False
     """A refused request only (``Failed``): this prefill process does not know the decode registration the
     request names (it restarted, or forgot the decode). Nothing of the room was taken here: the decode

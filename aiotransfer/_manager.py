@@ -614,7 +614,7 @@ class KVManager:
 
     def _on_ping(self, msg: Ping) -> None:
         pong = Pong(endpoint=self.endpoint, nonce=msg.nonce, incarnation=self.generation)
-        self._ctx.spawn(self._ctx.reply(msg.endpoint, pong), "pong")
+        self._ctx.answer(msg.endpoint, pong, "pong")
 
     def _on_abort(self, msg: Abort) -> None:
         if not self._prefill.on_abort(msg) and not self._decode.on_abort(msg):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import threading
@@ -55,6 +56,12 @@ __all__ = [
 
 log = logging.getLogger("aiotransfer.manager")
 
+ANSWERS_PER_PEER = 16
+"""Answers to one destination waiting to leave (each a task bounded by the handshake timeout): a peer that
+reads its messages leaves none waiting; beyond this it is not reading, or another host floods us in its name."""
+ANSWERS_TOTAL = 1024
+"""Answers waiting to leave, all destinations together: what a flood naming many endpoints can hold."""
+
 
 class RankContext:
     """Shared state of one rank. The manager fills in ``engine``, ``poller`` and ``control`` at start."""
@@ -83,6 +90,9 @@ class RankContext:
         """Told when an answer to a peer could not leave (its endpoint, what it was, why): the manager fails the
         rooms it has with that peer, with the reason, and tells the peer (see :meth:`reply`)."""
         self._send_failed_logged = 0.0
+        self._answers: dict[str, int] = {}
+        """Answers waiting to leave, by destination (see :meth:`answer`)."""
+        self._answers_total = 0
         self.started = False
         self.closed = False
         host_kv = all(b.device == "cpu" for b in args.kv)
@@ -210,6 +220,31 @@ class RankContext:
 
     async def send(self, endpoint: str, msg: Message, deadline: Deadline, *, yield_cpu: bool = False) -> None:
         await self.control.send(endpoint, msg, timeout=deadline.remaining(), yield_cpu=yield_cpu)
+
+    def answer(self, endpoint: str, msg: Message, name: str) -> None:
+        """An answer to a peer's message (a ``Pong``, a "register again", a staging answer, a topology): handed
+        to ZeroMQ at once when it can take it, without a task. One that must wait becomes a task bounded by the
+        handshake timeout (:meth:`reply`), at most :data:`ANSWERS_PER_PEER` for one destination and
+        :data:`ANSWERS_TOTAL` in all; beyond either it is dropped and counted (``dropped_answer-over-cap``). A
+        flood of requests in the name of an endpoint nobody reads therefore costs a bounded number of tasks."""
+        control = self.control_or_none
+        if control is None or self.closed or control.try_send(endpoint, msg):
+            return
+        waiting = self._answers.get(endpoint, 0)
+        if waiting >= ANSWERS_PER_PEER or self._answers_total >= ANSWERS_TOTAL:
+            self.drop("answer-over-cap", f"{type(msg).__name__} to {endpoint}")
+            return
+        self._answers[endpoint] = waiting + 1
+        self._answers_total += 1
+        self.spawn(self.reply(endpoint, msg), name).add_done_callback(functools.partial(self._answered, endpoint))
+
+    def _answered(self, endpoint: str, _task: object) -> None:
+        self._answers_total -= 1
+        left = self._answers.get(endpoint, 0) - 1
+        if left > 0:
+            self._answers[endpoint] = left
+        else:
+            self._answers.pop(endpoint, None)
 
     async def reply(self, endpoint: str, msg: Message) -> None:
         """An answer, bounded by the handshake timeout. One that cannot leave is not swallowed: it is counted

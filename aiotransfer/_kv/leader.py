@@ -62,7 +62,7 @@ class BootstrapLeader:
         )
 
     def on_query(self, msg: TopologyQuery) -> None:
-        self._ctx.spawn(self._ctx.reply(msg.endpoint, self.topology(msg.nonce)), "topology")
+        self._ctx.answer(msg.endpoint, self.topology(msg.nonce), "topology")
 
     def on_register(self, msg: RankRegister) -> None:
         ctx = self._ctx

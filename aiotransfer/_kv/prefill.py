@@ -364,9 +364,7 @@ class PrefillSide:
         reason = f"transfer request from an unregistered decode rank ({req.endpoint}); register again"
         msg = Status(room=req.room, status=int(KVPoll.Failed), rank=ctx.rank_id, endpoint=ctx.endpoint, reason=reason,
                      register_again=True, generation=req.generation)
-        control = ctx.control_or_none
-        if control is not None and not ctx.closed and not control.try_send(req.endpoint, msg):
-            ctx.spawn(ctx.reply(req.endpoint, msg), "register-again")
+        ctx.answer(req.endpoint, msg, "register-again")
 
     @staticmethod
     def _may_speak_for(tx: SenderRoom, endpoint: str) -> bool:

@@ -374,11 +374,7 @@ class StagingGrantor:
 
     def _answer(self, endpoint: str, msg: StageGrant | StagedAck, name: str) -> None:
         """Send an answer; without a task when it can leave at once (refusing a flood creates none)."""
-        ctx = self._ctx
-        control = ctx.control_or_none
-        if control is None or ctx.closed or control.try_send(endpoint, msg):
-            return
-        ctx.spawn(ctx.reply(endpoint, msg), name)
+        self._ctx.answer(endpoint, msg, name)
 
     async def _grant(self, msg: StageRequest, rx: StagingRoom, piece: _Piece) -> None:
         """Wait (bounded) for arena space for ``piece`` of ``rx``, and answer. Cancelled when ``rx`` is released

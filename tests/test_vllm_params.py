@@ -30,7 +30,7 @@ from aiotransfer.integrations.vllm._config import (
     KEY_TOKENS,
     MAX_REMOTE_BLOCKS,
     ConnectorConfig,
-    Plan,
+    PlanKind,
     RemotePrefill,
     plan_request,
 )
@@ -166,12 +166,12 @@ def test_the_first_decision_holds_whatever_the_params_say_later() -> None:
 
 
 @pytest.mark.parametrize("params, kind", [
-    (None, Plan.LOCAL), ({}, Plan.LOCAL), ({KEY_PREFILL: False, KEY_DECODE: None}, Plan.LOCAL),
-    ({KEY_DECODE: True}, Plan.SEND), ({KEY_DECODE: True, KEY_ROOM: 0, KEY_ENDPOINT: "ignored"}, Plan.SEND),
-    (decode_params(num_tokens=100), Plan.RECV), (decode_params(num_tokens=None), Plan.RECV),
-    ({**decode_params(), KEY_BLOCKS: None}, Plan.RECV), (decode_params(num_tokens=0), Plan.RECV),
+    (None, PlanKind.LOCAL), ({}, PlanKind.LOCAL), ({KEY_PREFILL: False, KEY_DECODE: None}, PlanKind.LOCAL),
+    ({KEY_DECODE: True}, PlanKind.SEND), ({KEY_DECODE: True, KEY_ROOM: 0, KEY_ENDPOINT: "ignored"}, PlanKind.SEND),
+    (decode_params(num_tokens=100), PlanKind.RECV), (decode_params(num_tokens=None), PlanKind.RECV),
+    ({**decode_params(), KEY_BLOCKS: None}, PlanKind.RECV), (decode_params(num_tokens=0), PlanKind.RECV),
 ])
-def test_well_formed_params_are_planned_as_before(params: Any, kind: str) -> None:
+def test_well_formed_params_are_planned_as_before(params: Any, kind: PlanKind) -> None:
     plan = plan_request(params, 100)
     assert plan.kind == kind and plan.reason is None
 

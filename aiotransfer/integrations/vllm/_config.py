@@ -6,18 +6,19 @@ or foreign ``kv_transfer_params`` dict is refused with a clear reason before any
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import math
 import re
 import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 from ..._config import TransferConfig
 from ...errors import ConfigError, InvalidArgument
 
-__all__ = ["CacheGroups", "ConnectorConfig", "Plan", "RemotePrefill", "check_endpoint", "check_room",
+__all__ = ["CacheGroups", "ConnectorConfig", "Plan", "PlanKind", "RemotePrefill", "check_endpoint", "check_room",
            "concurrent_params", "plan_request", "room_of", "FORGONE", "MAX_REMOTE_BLOCKS",
            "NIXL_PROGRESS_DELAY_US", "KEY_BLOCKS", "KEY_DECODE", "KEY_ENDPOINT", "KEY_ERROR", "KEY_PREFILL",
            "KEY_ROOM", "KEY_TOKENS", "STATE_KIND"]
@@ -290,26 +291,34 @@ def _is_int(value: object, low: int, high: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
 
 
+class PlanKind(enum.Enum):
+    """What the connector does with a request."""
+
+    LOCAL = "local"
+    """No transfer: the request computes its prompt, as without a connector."""
+    SEND = "send"
+    """A prefill request: compute the prompt and send its KV to the decode that asks."""
+    RECV = "recv"
+    """A decode request: load the prompt's KV from a prefill."""
+    REFUSED = "refused"
+    """Contradictory or malformed ``kv_transfer_params``: no KV moves, no peer is contacted, and the prompt
+    is computed locally."""
+
+
 @dataclass(frozen=True)
 class Plan:
     """What the connector does with one request, decided once from its ``kv_transfer_params``
     (:func:`plan_request`) at the first scheduler call that sees them; every later call follows it.
 
-    ``kind`` is one of :data:`LOCAL` (no transfer), :data:`SEND` (a prefill request: compute the prompt and
-    send its KV, in ``room`` when the router gave one, else in the room of the request id), :data:`RECV` (a
-    decode request: load the prompt's KV as ``remote`` says) or :data:`REFUSED` (``reason`` says why: the
-    request moves no KV, contacts no peer, and its prompt is computed locally).
+    ``room``: a :attr:`~PlanKind.SEND` request's room when the router gave one (else the room of the
+    request id). ``remote``: what a :attr:`~PlanKind.RECV` request loads. ``reason``: why a
+    :attr:`~PlanKind.REFUSED` request was refused.
     """
 
-    kind: str
+    kind: PlanKind
     room: int | None = None
     remote: RemotePrefill | None = None
     reason: str | None = None
-
-    LOCAL: ClassVar[str] = "local"
-    SEND: ClassVar[str] = "send"
-    RECV: ClassVar[str] = "recv"
-    REFUSED: ClassVar[str] = "refused"
 
 
 def _flag(params: Mapping[str, Any], key: str) -> bool:
@@ -332,12 +341,12 @@ def plan_request(params: object, num_prompt_tokens: int) -> Plan:
       ``remote_block_ids`` absent or a list of at most :data:`MAX_REMOTE_BLOCKS` distinct ints in
       ``[0, 2**63)``.
 
-    Anything else is a :attr:`Plan.REFUSED` plan naming what is wrong. Other keys are not read.
+    Anything else is a :attr:`~PlanKind.REFUSED` plan naming what is wrong. Other keys are not read.
     """
     if params is None:
-        return Plan(Plan.LOCAL)
+        return Plan(PlanKind.LOCAL)
     if not isinstance(params, Mapping):
-        return Plan(Plan.REFUSED, reason=f"kv_transfer_params must be a dict, got {reprlib.repr(params)}")
+        return Plan(PlanKind.REFUSED, reason=f"kv_transfer_params must be a dict, got {reprlib.repr(params)}")
     try:
         decode, prefill = _flag(params, KEY_DECODE), _flag(params, KEY_PREFILL)
         if decode and prefill:
@@ -345,13 +354,13 @@ def plan_request(params: object, num_prompt_tokens: int) -> Plan:
                                   "either loads its prompt's KV from a prefill or sends it to a decode")
         if decode:
             room = params.get(KEY_ROOM)
-            return Plan(Plan.SEND, room=None if room is None else check_room(room))
+            return Plan(PlanKind.SEND, room=None if room is None else check_room(room))
         if not prefill:
-            return Plan(Plan.LOCAL)
+            return Plan(PlanKind.LOCAL)
         remote = RemotePrefill.parse(params)
         if remote.num_tokens is not None and remote.num_tokens > num_prompt_tokens:
             raise InvalidArgument(f"kv_transfer_params: {KEY_TOKENS}={remote.num_tokens} exceeds the request's "
                                   f"{num_prompt_tokens} prompt tokens (the answer of another prompt's prefill?)")
-        return Plan(Plan.RECV, remote=remote)
+        return Plan(PlanKind.RECV, remote=remote)
     except InvalidArgument as exc:
-        return Plan(Plan.REFUSED, reason=str(exc))
+        return Plan(PlanKind.REFUSED, reason=str(exc))

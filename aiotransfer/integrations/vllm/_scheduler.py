@@ -32,6 +32,7 @@ from ._config import (
     CacheGroups,
     ConnectorConfig,
     Plan,
+    PlanKind,
     RemotePrefill,
     plan_request,
     room_of,
@@ -134,7 +135,7 @@ class SchedulerSide:
         if plan is None:
             plan = plan_request(request.kv_transfer_params, request.num_prompt_tokens)
             self._plans[request.request_id] = plan
-            if plan.kind == Plan.REFUSED:
+            if plan.kind == PlanKind.REFUSED:
                 assert plan.reason is not None
                 self._refuse(request, plan.reason)
         return plan
@@ -142,7 +143,7 @@ class SchedulerSide:
     def _refuse(self, request: Any, reason: str) -> None:
         """Refuse ``request``: it moves no KV and is computed locally; its flags are cleared so that vLLM
         too sees a local request, and its answer (:meth:`request_finished`) carries ``reason``."""
-        self._plans[request.request_id] = Plan(Plan.REFUSED, reason=reason)
+        self._plans[request.request_id] = Plan(PlanKind.REFUSED, reason=reason)
         self._refused += 1
         params = request.kv_transfer_params
         if isinstance(params, MutableMapping):
@@ -160,10 +161,10 @@ class SchedulerSide:
 
     # -- decode ----------------------------------------------------------------------------------
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Prompt tokens to load, asynchronously: only for a :attr:`Plan.RECV` request whose load is not yet
+        """Prompt tokens to load, asynchronously: only for a :attr:`PlanKind.RECV` request whose load is not yet
         ordered (:meth:`after_alloc` orders it whenever vLLM then parks the request)."""
         plan = self.admit(request)
-        if plan.kind != Plan.RECV:
+        if plan.kind != PlanKind.RECV:
             return 0, False
         assert plan.remote is not None
         count = self._groups.loaded_tokens(plan.remote.num_tokens, request.num_prompt_tokens) - num_computed_tokens
@@ -174,7 +175,7 @@ class SchedulerSide:
         is cut once only (also after a preemption). The prefill then computes the prompt short of them and
         the decode computes them itself (:attr:`CacheGroups.backoff`)."""
         backoff = self._groups.backoff
-        if (not backoff or self.admit(request).kind != Plan.SEND or request.request_id in self._cut
+        if (not backoff or self.admit(request).kind != PlanKind.SEND or request.request_id in self._cut
                 or request.num_prompt_tokens <= backoff):
             return 0
         self._cut.add(request.request_id)
@@ -187,15 +188,15 @@ class SchedulerSide:
         must (hybrid models)."""
         req_id = request.request_id
         plan = self.admit(request)
-        if plan.kind == Plan.SEND:
+        if plan.kind == PlanKind.SEND:
             if req_id not in self._sending:
                 self._prefilling[req_id] = request
             return
-        if plan.kind != Plan.RECV:
+        if plan.kind != PlanKind.RECV:
             return
         assert plan.remote is not None
         remote = plan.remote
-        self._plans[req_id] = Plan(Plan.LOCAL)  # one transfer per request, also after a preemption
+        self._plans[req_id] = Plan(PlanKind.LOCAL)  # one transfer per request, also after a preemption
         params = request.kv_transfer_params
         if isinstance(params, MutableMapping):
             params[KEY_PREFILL] = False  # so vLLM too sees the transfer ordered
@@ -285,9 +286,9 @@ class SchedulerSide:
         if req_id in self._receiving:
             self._orders.abort.append(req_id)  # finished while its KV was still arriving
             return True, None
-        if plan.kind == Plan.REFUSED:
+        if plan.kind == PlanKind.REFUSED:
             return False, {KEY_PREFILL: False, KEY_DECODE: False, KEY_ERROR: plan.reason}
-        if plan.kind == Plan.RECV:
+        if plan.kind == PlanKind.RECV:
             # Never scheduled (aborted while waiting): let the prefill free its blocks now, not at its lease.
             assert plan.remote is not None
             self._orders.forgo.append((plan.remote.room, plan.remote.endpoint))

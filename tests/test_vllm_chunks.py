@@ -59,7 +59,7 @@ def test_each_chunk_of_a_prompt_gets_a_job_with_the_blocks_it_completes() -> Non
     req.num_computed_tokens = 96
     blocks["c1"] += [13]
     assert side.build_orders({"c1": 4}).send == [SendJob("c1", room_of("c1"), (7, 8, 9, 10, 11, 12, 13))]
-    assert side.counts() == {"sending": 1, "receiving": 0, "prefilling": 0}
+    assert side.counts() == {"sending": 1, "receiving": 0, "prefilling": 0, "requests": 1, "refused": 0}
 
 
 def test_without_send_chunks_a_prompt_goes_with_its_last_chunk_only() -> None:

@@ -280,13 +280,16 @@ def test_a_prefill_request_sends_in_the_room_its_router_gave() -> None:
 
 
 @pytest.mark.parametrize("room", [-1, 2**63, "4242", True, 1.5])
-def test_a_room_the_router_gave_that_is_not_one_falls_back_to_the_request_ids(
+def test_a_room_the_router_gave_that_is_not_one_is_refused_and_the_prefill_sends_nothing(
         room: Any, caplog: pytest.LogCaptureFixture) -> None:
     req = FakeRequest("p1", 100, {"do_remote_decode": True, KEY_ROOM: room})
     side = scheduler({"p1": [7]})
     side.after_alloc(req, [7], 0)
-    assert side.build_orders({"p1": 100}).send == [SendJob("p1", room_of("p1"), (7,))]
-    assert KEY_ROOM in caplog.text and "room of its request id" in caplog.text
+    assert not side.build_orders({"p1": 100})
+    assert KEY_ROOM in caplog.text and "computing its prompt here instead" in caplog.text
+    delay, params = side.request_finished(req, [7], completed=True)
+    assert not delay and params is not None and KEY_ROOM in params[KEY_ERROR] and not params["do_remote_prefill"]
+    assert side.counts() == {"sending": 0, "receiving": 0, "prefilling": 0, "requests": 0, "refused": 1}
 
 
 def test_a_concurrent_decode_loads_the_whole_prompt_from_the_routers_room() -> None:
@@ -329,9 +332,9 @@ def test_a_room_another_request_of_the_prefill_holds_is_refused_and_never_named_
     assert side.build_orders({"b": 100}).send == []
     assert "room of request a" in caplog.text
     delay, params = side.request_finished(second, [3, 4], completed=True)
-    assert not delay and params is not None and not RemotePrefill.wanted(params) and KEY_ROOM not in params
+    assert not delay and params is not None and not params["do_remote_prefill"] and KEY_ROOM not in params
     assert "room of request a" in params[KEY_ERROR]
-    assert side.counts() == {"sending": 1, "receiving": 0, "prefilling": 0}
+    assert side.counts() == {"sending": 1, "receiving": 0, "prefilling": 0, "requests": 1, "refused": 1}
     delay, params = side.request_finished(first, [1, 2], completed=True)
     assert delay and params is not None and params[KEY_ROOM] == 4242
     side.on_worker_output(["a"], [])

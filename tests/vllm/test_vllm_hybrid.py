@@ -113,7 +113,7 @@ def test_hybrid_pd_leaves_every_block_free(hybrid_run: dict[str, Any], kind: str
     assert decode["worker"]["receives"] == n and decode["worker"]["receives_failed"] == 0, decode
     for stats in (prefill, decode):
         assert stats["worker"]["in_flight"] == 0 and stats["worker"]["withheld"] == 0, stats
-        assert stats["scheduler"] == {"sending": 0, "receiving": 0, "prefilling": 0}, stats
+        assert stats["scheduler"] == {"sending": 0, "receiving": 0, "prefilling": 0, "requests": 0, "refused": 0}, stats
 
 
 def test_hybrid_run_fits_the_budget(hybrid_run: dict[str, Any]) -> None:

@@ -123,7 +123,7 @@ def test_aiotransfer_connector_counts(pd_run: dict[str, Any], kind: str) -> None
     assert prefill["worker"]["chunks_sent_early"] > 0 and prefill["worker"]["preempted"] == 0, prefill
     for stats in (prefill, decode):
         assert stats["worker"]["in_flight"] == 0 and stats["worker"]["withheld"] == 0, stats
-        assert stats["scheduler"] == {"sending": 0, "receiving": 0, "prefilling": 0}, stats
+        assert stats["scheduler"] == {"sending": 0, "receiving": 0, "prefilling": 0, "requests": 0, "refused": 0}, stats
 
 
 def test_auto_sends_short_prompts_whole_after_the_pass_with_the_single_engines_tokens(pd_run: dict[str, Any]) -> None:

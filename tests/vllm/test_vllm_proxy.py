@@ -10,8 +10,8 @@ prompt's KV gives other tokens (the comparison can fail); through ``--concurrent
 called at once, in the router's room) the tokens are the same, and a decode in another prompt's room gets
 other tokens; a repeated prompt loads only what the decode's
 prefix cache lacks; a dead decode is a 502, not a hang; ``kv_transfer_params`` a client makes up (an
-address without a port, a room another request holds) end their request and leave no request or block
-behind (vLLM's own gauges).
+address without a port, a room another request holds, both flags set) end their request and leave no
+request or block behind (vLLM's own gauges).
 
 The reference requests carry a ``cache_salt``: the decode computes them from scratch, and the PD requests
 never hit their cached blocks (nor they the PD requests'). The servers start with ``python -m
@@ -45,7 +45,7 @@ from typing import Any
 
 import pytest
 
-from aiotransfer.integrations.vllm._config import KEY_ENDPOINT, KEY_ROOM
+from aiotransfer.integrations.vllm._config import KEY_ENDPOINT, KEY_ERROR, KEY_ROOM
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
@@ -464,6 +464,27 @@ def test_kv_transfer_params_without_a_usable_prefill_address_are_refused_and_lea
     assert tokens(stack.proxy.url, other) == reference(stack, other)
     assert metric(stack.decode.url, LOADED) - loaded_before == 100
     wait_idle(stack.decode)
+
+
+def test_a_request_with_both_flags_is_computed_locally_and_its_blocks_come_back(stack: Stack) -> None:
+    """kv_transfer_params with do_remote_prefill and do_remote_decode both set are refused at the first
+    scheduler call, on either server: the request is computed locally (a single engine's tokens), loads
+    nothing, contacts no peer, says why in its answer, and leaves no request or block behind. Taken for a
+    load, it would wait for a load never ordered, and keep its blocks after its client gave up."""
+    (prompt,) = prompts(9, [70])
+    both = {**remote_params("tcp://127.0.0.1:9", random.Random(9).randrange(2**63), len(prompt)),
+            "do_remote_decode": True}
+    for server in (stack.decode, stack.prefill):
+        want = tokens(server.url, prompt, cache_salt="reference")
+        loaded_before = metric(server.url, LOADED)
+        status, answer = answered(server.url, request(prompt, kv_transfer_params=dict(both)))
+        assert status == 200, answer
+        assert answer["choices"][0]["token_ids"] == want, server.name
+        assert "both true" in answer["kv_transfer_params"][KEY_ERROR], answer["kv_transfer_params"]
+        assert metric(server.url, LOADED) == loaded_before, f"{server.name} loaded KV for a refused request"
+        wait_idle(server)
+        log = server.log.read_text()
+        assert "are both true" in log and "computing its prompt here instead" in log, server.name
 
 
 def test_two_requests_on_one_room_end_and_leak_nothing(stack: Stack) -> None:

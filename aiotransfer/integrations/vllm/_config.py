@@ -6,6 +6,7 @@ or foreign ``kv_transfer_params`` dict is refused with a clear reason before any
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import math
 import re
@@ -18,16 +19,29 @@ from ..._config import TransferConfig
 from ...errors import ConfigError, InvalidArgument
 from ._streaming import check_streaming, stream_mode
 
-__all__ = ["CacheGroups", "ConnectorConfig", "RemotePrefill", "check_endpoint", "check_room", "concurrent_params",
-           "prefill_room", "room_of", "FORGONE",
-           "NIXL_PROGRESS_DELAY_US", "KEY_ENDPOINT", "KEY_ERROR", "KEY_ROOM", "STATE_KIND"]
+__all__ = ["CacheGroups", "ConnectorConfig", "Plan", "PlanKind", "RemotePrefill", "check_endpoint", "check_room",
+           "concurrent_params", "plan_request", "room_of", "FORGONE", "MAX_REMOTE_BLOCKS",
+           "NIXL_PROGRESS_DELAY_US", "KEY_BLOCKS", "KEY_DECODE", "KEY_ENDPOINT", "KEY_ERROR", "KEY_PREFILL",
+           "KEY_ROOM", "KEY_TOKENS", "STATE_KIND"]
 
 KEY_ENDPOINT = "aiotransfer_endpoint"
 """``kv_transfer_params`` key: the prefill worker's control address (``tcp://host:port``)."""
 KEY_ROOM = "aiotransfer_room"
 """``kv_transfer_params`` key: the room both sides use for this request."""
 KEY_ERROR = "aiotransfer_error"
-"""``kv_transfer_params`` key of a prefill's answer that sends no KV: why (its decode computes the prompt)."""
+"""``kv_transfer_params`` key of an answer whose request moved no KV: why (its prompt was computed locally)."""
+KEY_PREFILL = "do_remote_prefill"
+"""``kv_transfer_params`` key (vLLM's): a decode request that loads its prompt's KV from a prefill."""
+KEY_DECODE = "do_remote_decode"
+"""``kv_transfer_params`` key (vLLM's): a prefill request that computes the prompt and keeps its KV for a decode."""
+KEY_TOKENS = "remote_num_tokens"
+"""``kv_transfer_params`` key of a prefill's answer: the prompt tokens it computed."""
+KEY_BLOCKS = "remote_block_ids"
+"""``kv_transfer_params`` key of a prefill's answer: its blocks (the decode never reads them: the prefill
+writes from them)."""
+MAX_REMOTE_BLOCKS = 1 << 20
+"""The most ``remote_block_ids`` a decode request may carry (16 Mi tokens in blocks of 16): the list is
+checked entry by entry, so its length is bounded too."""
 
 FORGONE = "the decode request needs no KV from this prefill (ended, or a local cache hit)"
 """The abort reason a decode gives a prefill room it will never ask for; the prefill frees its blocks."""
@@ -236,15 +250,6 @@ def concurrent_params(endpoint: str, room: int) -> tuple[dict[str, Any], dict[st
             {"do_remote_prefill": True, "do_remote_decode": False, KEY_ENDPOINT: check_endpoint(endpoint), KEY_ROOM: room})
 
 
-def prefill_room(params: Mapping[str, Any] | None, request_id: str) -> int:
-    """The room a prefill request sends in: the router's (``aiotransfer_room`` in its ``kv_transfer_params``,
-    concurrent dispatch) or else a hash of the request id. Raises :class:`InvalidArgument` for a room the
-    router gave that is not one."""
-    if params and params.get(KEY_ROOM) is not None:
-        return check_room(params[KEY_ROOM])
-    return room_of(request_id)
-
-
 @dataclass(frozen=True)
 class RemotePrefill:
     """What a decode request needs to receive its prompt's KV, read from its ``kv_transfer_params``.
@@ -260,37 +265,112 @@ class RemotePrefill:
     num_tokens: int | None
     block_ids: tuple[int, ...] = ()
 
-    @staticmethod
-    def wanted(params: Mapping[str, Any] | None) -> bool:
-        """True for a decode request that still has to receive its KV."""
-        return bool(params) and bool(params.get("do_remote_prefill"))  # type: ignore[union-attr]
-
     @classmethod
     def parse(cls, params: Mapping[str, Any]) -> RemotePrefill:
         """Validate ``kv_transfer_params`` from a prefill's output; raises :class:`InvalidArgument`."""
         endpoint = check_endpoint(params.get(KEY_ENDPOINT))
         room = check_room(params.get(KEY_ROOM))
-        num_tokens = params.get("remote_num_tokens")
-        if num_tokens is not None and (not isinstance(num_tokens, int) or isinstance(num_tokens, bool)
-                                       or num_tokens < 0):
-            raise InvalidArgument(f"kv_transfer_params: remote_num_tokens must be an int >= 0, got "
+        num_tokens = params.get(KEY_TOKENS)
+        if num_tokens is not None and not _is_int(num_tokens, 0, 2**63):
+            raise InvalidArgument(f"kv_transfer_params: {KEY_TOKENS} must be an int >= 0, got "
                                   f"{reprlib.repr(num_tokens)}")
-        blocks = params.get("remote_block_ids")
+        blocks = params.get(KEY_BLOCKS)
         if blocks is None:
             blocks = ()
-        if (not isinstance(blocks, (list, tuple))
-                or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks)):
-            raise InvalidArgument("kv_transfer_params: remote_block_ids must be a list of block ids")
+        if (not isinstance(blocks, (list, tuple)) or len(blocks) > MAX_REMOTE_BLOCKS
+                or not all(_is_int(b, 0, 2**63) for b in blocks) or len(set(blocks)) != len(blocks)):
+            raise InvalidArgument(f"kv_transfer_params: {KEY_BLOCKS} must be a list of at most {MAX_REMOTE_BLOCKS} "
+                                  f"distinct block ids in [0, 2**63), got {reprlib.repr(blocks)}")
         return cls(endpoint, room, num_tokens, tuple(blocks))
 
     def to_params(self) -> dict[str, Any]:
         """The dict the prefill's ``request_finished`` returns (vLLM puts it on the request output); the
         same keys, less ``remote_num_tokens`` and ``remote_block_ids``, are a concurrent decode's."""
         return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
+            KEY_PREFILL: True,
+            KEY_DECODE: False,
             KEY_ENDPOINT: self.endpoint,
             KEY_ROOM: self.room,
-            "remote_num_tokens": self.num_tokens,
-            "remote_block_ids": list(self.block_ids),
+            KEY_TOKENS: self.num_tokens,
+            KEY_BLOCKS: list(self.block_ids),
         }
+
+
+def _is_int(value: object, low: int, high: int) -> bool:
+    """``value`` is an int (not a bool) in ``[low, high)``."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
+
+
+class PlanKind(enum.Enum):
+    """What the connector does with a request."""
+
+    LOCAL = "local"
+    """No transfer: the request computes its prompt, as without a connector."""
+    SEND = "send"
+    """A prefill request: compute the prompt and send its KV to the decode that asks."""
+    RECV = "recv"
+    """A decode request: load the prompt's KV from a prefill."""
+    REFUSED = "refused"
+    """Contradictory or malformed ``kv_transfer_params``: no KV moves, no peer is contacted, and the prompt
+    is computed locally."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the connector does with one request, decided once from its ``kv_transfer_params``
+    (:func:`plan_request`) at the first scheduler call that sees them; every later call follows it.
+
+    ``room``: a :attr:`~PlanKind.SEND` request's room when the router gave one (else the room of the
+    request id). ``remote``: what a :attr:`~PlanKind.RECV` request loads. ``reason``: why a
+    :attr:`~PlanKind.REFUSED` request was refused.
+    """
+
+    kind: PlanKind
+    room: int | None = None
+    remote: RemotePrefill | None = None
+    reason: str | None = None
+
+
+def _flag(params: Mapping[str, Any], key: str) -> bool:
+    value = params.get(key)
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    raise InvalidArgument(f"kv_transfer_params: {key} must be true or false, got {reprlib.repr(value)}")
+
+
+def plan_request(params: object, num_prompt_tokens: int) -> Plan:
+    """The one check of a request's ``kv_transfer_params``: what the connector does with it. Never raises.
+
+    Each key the connector reads has a meaning and a range, checked here before any use:
+
+    - ``do_remote_decode`` / ``do_remote_prefill``: true, false or absent; at most one of them true.
+    - a prefill request (``do_remote_decode``): ``aiotransfer_room`` absent or an int in ``[0, 2**63)``.
+    - a decode request (``do_remote_prefill``): ``aiotransfer_endpoint`` a ``tcp://host:port`` address;
+      ``aiotransfer_room`` an int in ``[0, 2**63)``; ``remote_num_tokens`` absent (concurrent dispatch) or
+      an int in ``[0, num_prompt_tokens]`` (a prefill cannot have computed more of the prompt than it has);
+      ``remote_block_ids`` absent or a list of at most :data:`MAX_REMOTE_BLOCKS` distinct ints in
+      ``[0, 2**63)``.
+
+    Anything else is a :attr:`~PlanKind.REFUSED` plan naming what is wrong. Other keys are not read.
+    """
+    if params is None:
+        return Plan(PlanKind.LOCAL)
+    if not isinstance(params, Mapping):
+        return Plan(PlanKind.REFUSED, reason=f"kv_transfer_params must be a dict, got {reprlib.repr(params)}")
+    try:
+        decode, prefill = _flag(params, KEY_DECODE), _flag(params, KEY_PREFILL)
+        if decode and prefill:
+            raise InvalidArgument(f"kv_transfer_params: {KEY_PREFILL} and {KEY_DECODE} are both true; a request "
+                                  "either loads its prompt's KV from a prefill or sends it to a decode")
+        if decode:
+            room = params.get(KEY_ROOM)
+            return Plan(PlanKind.SEND, room=None if room is None else check_room(room))
+        if not prefill:
+            return Plan(PlanKind.LOCAL)
+        remote = RemotePrefill.parse(params)
+        if remote.num_tokens is not None and remote.num_tokens > num_prompt_tokens:
+            raise InvalidArgument(f"kv_transfer_params: {KEY_TOKENS}={remote.num_tokens} exceeds the request's "
+                                  f"{num_prompt_tokens} prompt tokens (the answer of another prompt's prefill?)")
+        return Plan(PlanKind.RECV, remote=remote)
+    except InvalidArgument as exc:
+        return Plan(PlanKind.REFUSED, reason=str(exc))

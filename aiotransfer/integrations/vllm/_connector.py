@@ -212,6 +212,9 @@ class AiotransferConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler_side.num_new_matched_tokens(request, num_computed_tokens)
 
     def on_new_request(self, request: Any) -> None:
+        # The first scheduler call that sees the request: its kv_transfer_params are checked here, once, and
+        # every later call follows that decision (a refused request is computed locally).
+        self.scheduler_side.admit(request)
         # A hybrid prefill computes the prompt one token short (CacheGroups.backoff), cut here as vLLM's
         # NixlConnector cuts it (nixl/base_scheduler.py, _truncate_request_for_prefill): the request's token
         # lists and counts are vLLM's own, so they are edited in place, once.

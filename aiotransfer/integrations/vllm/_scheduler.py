@@ -9,17 +9,34 @@ The rule it keeps: a request whose room a worker may still touch is never given 
 pool by ``request_finished`` (it returns ``delay_free_blocks=True``); the blocks come back only when the
 worker reports the room released (every engine operation on it over, or on the decode the prefill proven
 drained, gone or quarantined).
+
+A request's ``kv_transfer_params`` are checked once, by :func:`plan_request`, at the first scheduler call
+that sees them (vLLM's ``on_new_request``), and every later call follows that :class:`Plan`: a request whose
+parameters are contradictory or malformed is refused (logged, counted, its answer says why), moves no KV,
+contacts no peer and is computed locally, so vLLM never parks it for a load that is not ordered and never
+holds its blocks for a worker.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import InvalidArgument
-from ._config import KEY_ERROR, KEY_ROOM, CacheGroups, ConnectorConfig, RemotePrefill, prefill_room, room_of
+from ._config import (
+    KEY_DECODE,
+    KEY_ERROR,
+    KEY_PREFILL,
+    KEY_ROOM,
+    CacheGroups,
+    ConnectorConfig,
+    Plan,
+    PlanKind,
+    RemotePrefill,
+    plan_request,
+    room_of,
+)
 
 __all__ = ["Orders", "RecvJob", "SchedulerSide", "SendJob"]
 
@@ -103,9 +120,35 @@ class SchedulerSide:
         self._prefilling: dict[str, Any] = {}  # prefill requests not yet fully scheduled
         self._sending: dict[str, int] = {}  # req_id -> room: a worker holds a sender, blocks pinned
         self._holders: dict[int, str] = {}  # room -> the req_id in _sending that holds it
-        self._refused: dict[str, str] = {}  # req_id -> why it sends nothing (its room is another's)
         self._receiving: dict[str, int] = {}  # req_id -> room: a worker holds a receiver, blocks pinned
+        self._plans: dict[str, Plan] = {}  # req_id -> what to do with it, decided once (until it finishes)
+        self._cut: set[str] = set()  # hybrid prefill requests already cut short by the backoff
+        self._refused = 0  # requests refused so far (their kv_transfer_params, or a room another holds)
         self._orders = Orders()
+
+    # -- every request: its kv_transfer_params, checked once ---------------------------------------
+    def admit(self, request: Any) -> Plan:
+        """The request's :class:`Plan`, decided at the first call that sees it and kept until it finishes.
+        vLLM's ``on_new_request`` calls this first; every other scheduler call goes through it too, so the
+        decision is the same whichever call comes first and whatever the parameters say later."""
+        plan = self._plans.get(request.request_id)
+        if plan is None:
+            plan = plan_request(request.kv_transfer_params, request.num_prompt_tokens)
+            self._plans[request.request_id] = plan
+            if plan.kind == PlanKind.REFUSED:
+                assert plan.reason is not None
+                self._refuse(request, plan.reason)
+        return plan
+
+    def _refuse(self, request: Any, reason: str) -> None:
+        """Refuse ``request``: it moves no KV and is computed locally; its flags are cleared so that vLLM
+        too sees a local request, and its answer (:meth:`request_finished`) carries ``reason``."""
+        self._plans[request.request_id] = Plan(PlanKind.REFUSED, reason=reason)
+        self._refused += 1
+        params = request.kv_transfer_params
+        if isinstance(params, MutableMapping):
+            params[KEY_PREFILL] = params[KEY_DECODE] = False
+        log.warning("request %s: %s; computing its prompt here instead, no KV moves", request.request_id, reason)
 
     # -- workers' endpoints (from vLLM's handshake metadata) -------------------------------------
     def set_endpoints(self, endpoints: Mapping[int, str]) -> None:
@@ -118,28 +161,24 @@ class SchedulerSide:
 
     # -- decode ----------------------------------------------------------------------------------
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        params = request.kv_transfer_params
-        if not RemotePrefill.wanted(params):
+        """Prompt tokens to load, asynchronously: only for a :attr:`PlanKind.RECV` request whose load is not yet
+        ordered (:meth:`after_alloc` orders it whenever vLLM then parks the request)."""
+        plan = self.admit(request)
+        if plan.kind != PlanKind.RECV:
             return 0, False
-        try:
-            remote = RemotePrefill.parse(params)
-        except InvalidArgument as exc:
-            log.warning("request %s: %s; computing its prompt here instead", request.request_id, exc)
-            params["do_remote_prefill"] = False
-            return 0, False
-        count = self._groups.loaded_tokens(remote.num_tokens, request.num_prompt_tokens) - num_computed_tokens
+        assert plan.remote is not None
+        count = self._groups.loaded_tokens(plan.remote.num_tokens, request.num_prompt_tokens) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def prefill_backoff(self, request: Any) -> int:
         """How many trailing prompt tokens a new prefill request must drop (0: none), marking it so that it
         is cut once only (also after a preemption). The prefill then computes the prompt short of them and
         the decode computes them itself (:attr:`CacheGroups.backoff`)."""
-        params = request.kv_transfer_params
         backoff = self._groups.backoff
-        if (not backoff or not params or not params.get("do_remote_decode") or params.get("_p_side_truncated")
+        if (not backoff or self.admit(request).kind != PlanKind.SEND or request.request_id in self._cut
                 or request.num_prompt_tokens <= backoff):
             return 0
-        params["_p_side_truncated"] = True
+        self._cut.add(request.request_id)
         return backoff
 
     def after_alloc(self, request: Any, new_block_ids: list[int], num_external_tokens: int,
@@ -147,17 +186,20 @@ class SchedulerSide:
         """Blocks were allocated for ``request``; ``new_block_ids`` are those not filled by a local
         prefix-cache hit, i.e. where the prefill's KV must land; ``state_block``, where its Mamba state
         must (hybrid models)."""
+        req_id = request.request_id
+        plan = self.admit(request)
+        if plan.kind == PlanKind.SEND:
+            if req_id not in self._sending:
+                self._prefilling[req_id] = request
+            return
+        if plan.kind != PlanKind.RECV:
+            return
+        assert plan.remote is not None
+        remote = plan.remote
+        self._plans[req_id] = Plan(PlanKind.LOCAL)  # one transfer per request, also after a preemption
         params = request.kv_transfer_params
-        if not params:
-            return
-        if params.get("do_remote_decode") and request.request_id not in self._sending:
-            if request.request_id not in self._refused:
-                self._prefilling[request.request_id] = request
-            return
-        if not RemotePrefill.wanted(params):
-            return
-        params["do_remote_prefill"] = False  # one transfer per request, also after a preemption
-        remote = RemotePrefill.parse(params)  # validated in num_new_matched_tokens
+        if isinstance(params, MutableMapping):
+            params[KEY_PREFILL] = False  # so vLLM too sees the transfer ordered
         if num_external_tokens <= 0 or not new_block_ids:
             self._orders.forgo.append((remote.room, remote.endpoint))  # a full local hit: nothing to fetch
             return
@@ -185,11 +227,14 @@ class SchedulerSide:
                 continue
             room = self._sending.get(req_id)
             if room is None:
-                room = self._room(request)
+                chosen = self._plans[req_id].room  # the router's, or None
+                room = chosen if chosen is not None else room_of(req_id)
                 holder = self._holders.get(room)
                 if holder is not None:
                     del self._prefilling[req_id]
-                    self._refuse(req_id, room, holder)
+                    self._refuse(request, f"kv_transfer_params: {KEY_ROOM}={room} is the room of request {holder}, "
+                                          f"still in flight on this prefill; a room names one request at a time (a "
+                                          f"router picks 63 random bits per request)")
                     continue
                 self._sending[req_id] = room
                 self._holders[room] = req_id
@@ -205,26 +250,6 @@ class SchedulerSide:
                                                  complete=min(computed // self._block_size, len(pages)), total=total))
         orders, self._orders = self._orders, Orders()
         return orders
-
-    @staticmethod
-    def _room(request: Any) -> int:
-        """The room a prefill request sends in: the router's, or a hash of the request id. A room the router
-        gave that is not one is logged and replaced by the hash: the decode that asks for the router's room
-        is then refused when the prefill's pending requests expire, or at its own ``transfer_timeout``."""
-        try:
-            return prefill_room(request.kv_transfer_params, request.request_id)
-        except InvalidArgument as exc:
-            log.warning("request %s: %s; its KV is kept under the room of its request id", request.request_id, exc)
-            return room_of(request.request_id)
-
-    def _refuse(self, req_id: str, room: int, holder: str) -> None:
-        """A room names one request at a time: ``req_id``'s, which ``holder`` still holds here, is refused. The
-        request sends nothing, and its answer names no room (:meth:`request_finished`): a decode that asked
-        for that room would be written the holder's KV."""
-        reason = (f"kv_transfer_params: {KEY_ROOM}={room} is the room of request {holder}, still in flight on "
-                  f"this prefill; a room names one request at a time (a router picks 63 random bits per request)")
-        log.warning("request %s: %s; its KV is not sent, its decode computes the prompt", req_id, reason)
-        self._refused[req_id] = reason
 
     def on_worker_output(self, finished_sending: Iterable[str], finished_recving: Iterable[str]) -> None:
         for req_id in finished_sending:
@@ -245,11 +270,10 @@ class SchedulerSide:
         Returns vLLM's ``(delay_free_blocks, kv_transfer_params)``.
         """
         req_id = request.request_id
-        params = request.kv_transfer_params
+        plan = self.admit(request)
+        del self._plans[req_id]
+        self._cut.discard(req_id)
         self._prefilling.pop(req_id, None)
-        refused = self._refused.pop(req_id, None)
-        if refused is not None:
-            return False, {"do_remote_prefill": False, "do_remote_decode": False, KEY_ERROR: refused}
         if req_id in self._sending:
             endpoint = self.endpoint
             if completed and endpoint is not None and block_ids:
@@ -262,17 +286,16 @@ class SchedulerSide:
         if req_id in self._receiving:
             self._orders.abort.append(req_id)  # finished while its KV was still arriving
             return True, None
-        if RemotePrefill.wanted(params):
+        if plan.kind == PlanKind.REFUSED:
+            return False, {KEY_PREFILL: False, KEY_DECODE: False, KEY_ERROR: plan.reason}
+        if plan.kind == PlanKind.RECV:
             # Never scheduled (aborted while waiting): let the prefill free its blocks now, not at its lease.
-            params["do_remote_prefill"] = False
-            try:
-                remote = RemotePrefill.parse(params)
-            except InvalidArgument:
-                return False, None
-            self._orders.forgo.append((remote.room, remote.endpoint))
+            assert plan.remote is not None
+            self._orders.forgo.append((plan.remote.room, plan.remote.endpoint))
         return False, None
 
     def counts(self) -> dict[str, int]:
-        """Rooms whose blocks a worker still holds, by side (a leak check for tests and metrics)."""
+        """Rooms whose blocks a worker still holds, by side, requests followed (a leak check for tests and
+        metrics), and the requests refused so far."""
         return {"sending": len(self._sending), "receiving": len(self._receiving),
-                "prefilling": len(self._prefilling)}
+                "prefilling": len(self._prefilling), "requests": len(self._plans), "refused": self._refused}

@@ -155,7 +155,11 @@ async def level(pf: Prefill, fleet: Fleet, n: int, st: Settings) -> dict[str, An
     rooms = sum(b["rooms"] for b in batches)
     loop_cpu = sum(b["loop_cpu_s"] for b in batches)
     wall = sum(b["wall_s"] for b in batches)
-    idle_loop = quiet["loop_cpu_ms_per_s"] / 1e3 * wall
+    # the same commands to the fleet with no room: what a batch costs the loop besides its rooms
+    empty = [await _rooms(pf, fleet, st.timeout, per_decode=0) for _ in range(3)]
+    harness = float(np.median([b["loop_cpu_s"] for b in empty]))
+    harness_wall = float(np.median([b["wall_s"] for b in empty]))
+    idle_loop = quiet["loop_cpu_ms_per_s"] / 1e3 * max(wall - rounds * harness_wall, 0.0)
     held = await _rooms(pf, fleet, st.timeout + st.hold_s, hold=st.hold_s)
     failed = sum(b["failed_prefill"] + b["failed_decode"] for b in [warm, *batches, held])
     return {
@@ -163,7 +167,8 @@ async def level(pf: Prefill, fleet: Fleet, n: int, st: Settings) -> dict[str, An
         "first_rooms": {k: warm[k] for k in ("rooms", "failed_prefill", "failed_decode", "errors", "wall_s")},
         "per_room": {"rooms": rooms, "rounds": rounds, "rooms_per_decode": per_decode,
                      "loop_cpu_us": round(loop_cpu / rooms * 1e6, 1),
-                     "loop_cpu_net_us": round((loop_cpu - idle_loop) / rooms * 1e6, 1),
+                     "loop_cpu_net_us": round((loop_cpu - rounds * harness - idle_loop) / rooms * 1e6, 1),
+                     "harness_loop_cpu_us_per_batch": round(harness * 1e6, 1),
                      "process_cpu_us": round(sum(b["process_cpu_s"] for b in batches) / rooms * 1e6, 1),
                      "wall_us": round(wall / rooms * 1e6, 1),
                      "room_ms": batches[-1]["room_ms"]},

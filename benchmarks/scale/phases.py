@@ -32,7 +32,7 @@ class Settings:
     idle_s: float = 3.0
     hold_s: float = 3.0
     """How long every decode holds its room open (at least two heartbeat intervals)."""
-    min_rooms: int = 256
+    min_rooms: int = 512
     """Rooms of the per-room CPU measurement at each level: rounds of one room per decode until this many."""
     timeout: float = 120.0
     churn: int = 5000

@@ -35,8 +35,19 @@ def summary(res: dict[str, Any]) -> dict[str, Any]:
         "threads_per_peer": _r(_slope(ns, [p["threads"] for _, p in points])),
         "idle_process_cpu_ms_per_s_per_peer": _r(_slope(ns, [p["process_cpu_ms_per_s"] for _, p in points]), 4),
         "idle_loop_cpu_ms_per_s_per_peer": _r(_slope(ns, [p["loop_cpu_ms_per_s"] for _, p in points]), 4),
-        "decode_rss_kib_per_manager": _r(_slope(ns, [p["decode_processes"]["rss_kib"] for _, p in points]), 1),
+        **_decode_cost(res["levels"]),
     }
+
+
+def _decode_cost(levels: list[dict[str, Any]]) -> dict[str, float | None]:
+    """What one more decode manager costs its process, between the two largest levels (the first manager of a
+    process also creates its native engine)."""
+    if len(levels) < 2 or levels[-1]["peers"] == levels[-2]["peers"]:
+        return {}
+    a, b = levels[-2], levels[-1]
+    dn = b["peers"] - a["peers"]
+    da, db = a["idle"]["decode_processes"], b["idle"]["decode_processes"]
+    return {f"decode_{k}_per_manager": _r((db[k] - da[k]) / dn, 1) for k in ("rss_kib", "fds", "threads")}
 
 
 def _level_near(levels: list[dict[str, Any]], n: int) -> dict[str, Any] | None:

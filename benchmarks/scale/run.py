@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle", type=float, default=None, metavar="SECONDS",
                    help="idle time measured at each level (default 3.0; --quick 1.5)")
     p.add_argument("--min-rooms", type=int, default=None,
-                   help="rooms of the per-room CPU figure at each level (default 256; --quick 64)")
+                   help="rooms of the per-room CPU figure at each level (default 512; --quick 128)")
     p.add_argument("--no-storm", action="store_true", help="skip the restart storm")
     p.add_argument("--host", default="127.0.0.1")
 
@@ -63,7 +63,7 @@ def _settings(ns: argparse.Namespace) -> Settings:
         processes=ns.processes,
         idle_s=ns.idle if ns.idle is not None else (1.5 if quick else 3.0),
         hold_s=ns.hold if ns.hold is not None else (2.5 if quick else 3.0),
-        min_rooms=ns.min_rooms if ns.min_rooms is not None else (64 if quick else 256),
+        min_rooms=ns.min_rooms if ns.min_rooms is not None else (128 if quick else 512),
         churn=ns.churn if ns.churn is not None else (500 if quick else 5000),
         churn_alive=ns.churn_alive if ns.churn_alive is not None else (50 if quick else 200),
         storm=not ns.no_storm,

@@ -298,6 +298,7 @@ async def churn(host: str, st: Settings, processes: int) -> dict[str, Any]:
         "registrations_peak": peak, "registrations_final": final,
         "peak_over_alive": {k: round(v / alive, 2) for k, v in peak.items()},
         "peers_refused": stats.get("peers_refused", 0),
+        "registrations_forgotten": dict(stats).get("decode_peers_forgotten", 0),
         "dropped": {**stats.get("control_dropped", {}), **{k: v for k, v in stats.items() if k.startswith("dropped_")}},
         "seconds": round(wall, 2), "endpoints_per_s": round(st.churn / wall, 1),
         "samples": samples[:: max(1, len(samples) // 200)],

@@ -84,10 +84,11 @@ class _Fleet:
             await rx.done(timeout=timeout)
             await rx.released(timeout=timeout)
         except AiotransferError as exc:
-            return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:240], "s": time.perf_counter() - t0}
+            return {"ok": False, "room": room, "error": f"{type(exc).__name__}: {exc}"[:240],
+                    "s": time.perf_counter() - t0}
         t1 = time.perf_counter()
         if not (d.buf[page] == page_value(room)).all():
-            return {"ok": False, "error": f"room {room}: wrong bytes landed", "s": t1 - t0}
+            return {"ok": False, "room": room, "error": f"room {room}: wrong bytes landed", "s": t1 - t0}
         return {"ok": True, "s": t1 - t0, "since_up_s": t1 - d.up_at}
 
     async def grow(self, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -157,6 +158,7 @@ def _outcome(res: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [r for r in res if r["ok"]]
     errors = sorted({r["error"] for r in res if not r["ok"]})
     return {"rooms": len(res), "ok": len(ok), "failed": len(res) - len(ok), "errors": errors[:3],
+            "failed_rooms": sorted(r["room"] for r in res if not r["ok"]),
             "room_s": [round(r["s"], 5) for r in ok],
             "since_up_s": [round(r["since_up_s"], 5) for r in ok]}
 

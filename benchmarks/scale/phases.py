@@ -87,13 +87,17 @@ async def _rooms(pf: Prefill, fleet: Fleet, timeout: float, hold: float = 0.0, p
     out: dict[str, Any] = {}
     if hold:
         out["hold"] = await hold_rooms(pf, hold)
+    to_send = [(tx, room) for tx, room, r in zip(senders, rooms, ready, strict=True) if r is None]
     sent = await asyncio.gather(*(_attempt(tx.send_kv([room % PREFILL_PAGES], timeout=timeout))
-                                  for tx, room, r in zip(senders, rooms, ready, strict=True) if r is None))
+                                  for tx, room in to_send))
     got = await fleet.all("collect", timeout + 10, base=base, timeout=timeout)
     c1, p1, w1 = time.thread_time(), time.process_time(), time.perf_counter()
     errors = [e for e in ready + sent if e] + [e for g in got for e in g["errors"]]
     room_s = [x for g in got for x in g["room_s"]]
-    out.update(rooms=len(rooms), failed_prefill=sum(e is not None for e in ready + sent),
+    failed = {room for room, e in zip(rooms, ready, strict=True) if e}
+    failed |= {room for (_, room), e in zip(to_send, sent, strict=True) if e}
+    failed |= {room for g in got for room in g["failed_rooms"]}
+    out.update(rooms=len(rooms), failed=len(failed), failed_prefill=sum(e is not None for e in ready + sent),
                failed_decode=sum(g["failed"] for g in got), errors=sorted(set(errors))[:3],
                loop_cpu_s=c1 - c0, process_cpu_s=p1 - p0, wall_s=w1 - w0,
                room_ms={"p50": pct([x * 1e3 for x in room_s], 50), "p99": pct([x * 1e3 for x in room_s], 99)})
@@ -161,10 +165,11 @@ async def level(pf: Prefill, fleet: Fleet, n: int, st: Settings) -> dict[str, An
     harness_wall = float(np.median([b["wall_s"] for b in empty]))
     idle_loop = quiet["loop_cpu_ms_per_s"] / 1e3 * max(wall - rounds * harness_wall, 0.0)
     held = await _rooms(pf, fleet, st.timeout + st.hold_s, hold=st.hold_s)
-    failed = sum(b["failed_prefill"] + b["failed_decode"] for b in [warm, *batches, held])
+    failed = sum(b["failed"] for b in [warm, *batches, held])
     return {
         "peers": n, "idle": quiet,
-        "first_rooms": {k: warm[k] for k in ("rooms", "failed_prefill", "failed_decode", "errors", "wall_s")},
+        "first_rooms": {k: warm[k] for k in ("rooms", "failed", "failed_prefill", "failed_decode", "errors",
+                                              "wall_s")},
         "per_room": {"rooms": rooms, "rounds": rounds, "rooms_per_decode": per_decode,
                      "loop_cpu_us": round(loop_cpu / rooms * 1e6, 1),
                      "loop_cpu_net_us": round((loop_cpu - rounds * harness - idle_loop) / rooms * 1e6, 1),
@@ -173,7 +178,8 @@ async def level(pf: Prefill, fleet: Fleet, n: int, st: Settings) -> dict[str, An
                      "wall_us": round(wall / rooms * 1e6, 1),
                      "room_ms": batches[-1]["room_ms"]},
         "held": {"seconds": st.hold_s, **held["hold"], "rooms": held["rooms"],
-                 "failed": held["failed_prefill"] + held["failed_decode"], "errors": held["errors"]},
+                 "failed": held["failed"], "failed_prefill": held["failed_prefill"],
+                 "failed_decode": held["failed_decode"], "errors": held["errors"]},
         "rooms_failed": failed,
         "errors": sorted({e for b in [warm, *batches, held] for e in b["errors"]})[:3],
         "registrations": pf.registrations(),
@@ -215,6 +221,10 @@ async def storm(pf: Prefill, fleet: Fleet, st: Settings) -> dict[str, Any]:
     got_new = await asyncio.gather(*(w.call("collect", st.timeout + 10, base=base2, timeout=st.timeout)
                                      for w, _ in replaced))
     await mon.stop()
+    kept_failed = {room_number(base, i) for i, e, _ in sent if i not in killed and e}
+    kept_failed |= {room for g in got_old for room in g["failed_rooms"]}
+    new_failed = {room_number(base2, i) for i, e in zip(fresh, new_errors, strict=True) if e}
+    new_failed |= {room for g in got_new for room in g["failed_rooms"]}
     killed_res = [(e, t) for i, e, t in sent if i in killed]
     kept_res = [e for i, e, _ in sent if i not in killed]
     fail_s = [t for e, t in killed_res if e]
@@ -225,10 +235,12 @@ async def storm(pf: Prefill, fleet: Fleet, st: Settings) -> dict[str, Any]:
         "killed_rooms": {"rooms": len(killed), "failed": len(fail_s), "not_ready": sum(e is not None for e in ready),
                          "fail_after_gone_s": {"p50": pct(fail_s, 50), "max": _r(max(fail_s)) if fail_s else None},
                          "reasons": sorted({str(e)[:120] for e, _ in killed_res if e})[:3]},
-        "surviving_rooms": {"rooms": len(kept_res), "failed_prefill": sum(e is not None for e in kept_res),
+        "surviving_rooms": {"rooms": len(kept_res), "failed": len(kept_failed),
+                            "failed_prefill": sum(e is not None for e in kept_res),
                             "failed_decode": sum(g["failed"] for g in got_old),
                             "errors": sorted({e for e in kept_res if e} | {e for g in got_old for e in g["errors"]})[:3]},
-        "new_decodes": {"decodes": len(fresh), "failed_prefill": sum(e is not None for e in new_errors),
+        "new_decodes": {"decodes": len(fresh), "failed": len(new_failed),
+                        "failed_prefill": sum(e is not None for e in new_errors),
                         "failed_decode": sum(g["failed"] for g in got_new),
                         "first_room_after_up_s": {"p50": pct(up, 50), "max": _r(max(up)) if up else None},
                         "errors": sorted({e for e in new_errors if e} | {e for g in got_new for e in g["errors"]})[:3]},

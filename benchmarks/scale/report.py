@@ -101,8 +101,8 @@ def level_line(lv: dict[str, Any]) -> str:
 def storm_line(s: dict[str, Any]) -> str:
     k, sv, nw = s["killed_rooms"], s["surviving_rooms"], s["new_decodes"]
     return (f"{k['failed']}/{k['rooms']} killed rooms failed (max {k['fail_after_gone_s']['max']} s after), "
-            f"{sv['failed_prefill'] + sv['failed_decode']} of {sv['rooms']} others failed, "
-            f"{nw['failed_prefill'] + nw['failed_decode']} of {nw['decodes']} new decodes' first rooms failed; "
+            f"{sv['failed']} of {sv['rooms']} others failed, "
+            f"{nw['failed']} of {nw['decodes']} new decodes' first rooms failed; "
             f"lag max {s['loop_lag']['max_ms']} ms")
 
 
@@ -171,8 +171,8 @@ def markdown(res: dict[str, Any]) -> str:
         lines += ["", f"Restart storm ({st['peers']} decodes, {st['decodes_killed']} killed with their "
                       f"{st['processes_killed']} processes): {k['failed']} of {k['rooms']} rooms on killed decodes "
                       f"failed, {_cell(k['fail_after_gone_s']['max'])} s at most after the processes were gone; "
-                      f"{sv['failed_prefill'] + sv['failed_decode']} of {sv['rooms']} rooms on the others failed; "
-                      f"{nw['decodes'] - nw['failed_prefill'] - nw['failed_decode']} of {nw['decodes']} new decodes' "
+                      f"{sv['failed']} of {sv['rooms']} rooms on the others failed; "
+                      f"{nw['decodes'] - nw['failed']} of {nw['decodes']} new decodes' "
                       f"first rooms succeeded, {_cell(nw['first_room_after_up_s']['p50'])} s (median) to "
                       f"{_cell(nw['first_room_after_up_s']['max'])} s after they were up; the prefill's loop lag "
                       f"p99 {st['loop_lag']['p99_ms']} ms, max {st['loop_lag']['max_ms']} ms."]

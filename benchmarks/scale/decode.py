@@ -68,16 +68,21 @@ class _Fleet:
         await asyncio.wait_for(mgr.start(), 60.0)
         return _Decode(index, mgr, buf, time.perf_counter())
 
-    async def _room(self, d: _Decode, room: int, timeout: float, posted: asyncio.Future[None] | None = None
-                    ) -> dict[str, Any]:
-        """Open ``room`` on ``d`` and wait for it: its outcome, the time from the manager's start to done."""
+    async def _room(self, d: _Decode, room: int, timeout: float, posted: asyncio.Future[None] | None = None,
+                    *, first_contact: bool = False) -> dict[str, Any]:
+        """Open ``room`` on ``d`` and wait for it: its outcome, the time from the manager's start to done.
+        ``first_contact``: ``send_metadata`` keeps its default bound (``handshake_timeout``), as a decode that
+        registers for the first time would."""
         page = room % DECODE_PAGES
         d.buf[page] = 0
         rx = d.mgr.receiver(room, self.params.prefill)
         t0 = time.perf_counter()
         try:
             try:
-                await rx.send_metadata([page], timeout=timeout)
+                if first_contact:
+                    await rx.send_metadata([page])
+                else:
+                    await rx.send_metadata([page], timeout=timeout)
             finally:
                 if posted is not None and not posted.done():
                     posted.set_result(None)
@@ -126,15 +131,17 @@ class _Fleet:
         rooms = iter(range(int(cmd["room0"]), int(cmd["room0"]) + int(cmd["count"])))
         timeout = float(cmd["timeout"])
         results: list[dict[str, Any]] = []
+        endpoints: set[str] = set()
 
         async def slot() -> None:
             buf = np.zeros((DECODE_PAGES, PAGE_BYTES), np.uint8)
             for room in rooms:
                 d = await self._start(room, buf)
+                endpoints.add(d.mgr.endpoint)
                 try:
                     loop = asyncio.get_running_loop()
                     posted: asyncio.Future[None] = loop.create_future()
-                    task = asyncio.ensure_future(self._room(d, room, timeout, posted))
+                    task = asyncio.ensure_future(self._room(d, room, timeout, posted, first_contact=True))
                     await posted
                     if not task.done():
                         await self.event({"event": "room", "room": room})
@@ -143,7 +150,7 @@ class _Fleet:
                     await d.mgr.aclose()
 
         await asyncio.wait_for(asyncio.gather(*(slot() for _ in range(int(cmd["slots"])))), float(cmd["budget"]))
-        return _outcome(results)
+        return {**_outcome(results), "endpoints": sorted(endpoints)}
 
     async def aclose(self) -> None:
         for tasks in self.batches.values():

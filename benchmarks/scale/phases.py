@@ -305,6 +305,7 @@ async def churn(host: str, st: Settings, processes: int) -> dict[str, Any]:
     alive = sum(slots)
     return {
         "endpoints": st.churn, "alive_at_once": alive, "accepted": accepted,
+        "distinct_endpoints": len({e for g in got for e in g["endpoints"]}),
         "failed": sum(g["failed"] for g in got), "prefill_failed": len(errors),
         "errors": sorted({e for g in got for e in g["errors"]} | set(errors))[:3],
         "registrations_peak": peak, "registrations_final": final,

@@ -178,7 +178,8 @@ def markdown(res: dict[str, Any]) -> str:
                       f"p99 {st['loop_lag']['p99_ms']} ms, max {st['loop_lag']['max_ms']} ms."]
     c = res.get("churn")
     if c:
-        lines += ["", f"Registration churn: {c['endpoints']:,} endpoints, at most {c['alive_at_once']} alive: "
+        distinct = f" ({c['distinct_endpoints']:,} distinct)" if "distinct_endpoints" in c else ""
+        lines += ["", f"Registration churn: {c['endpoints']:,} endpoints{distinct}, at most {c['alive_at_once']} alive: "
                       f"{c['accepted']:,} accepted, {c['failed']:,} failed; registrations held at most "
                       f"{c['registrations_peak']}, at the end {c['registrations_final']}; {c['seconds']} s."]
     lines += ["", "| target | at | measured | status |", "|---|---|---:|---|"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import logging
 import os
 import platform
 import sys
@@ -94,7 +95,7 @@ async def _fleet_phases(peers: list[int], st: Settings, host: str) -> dict[str, 
     return out
 
 
-async def _main(peers: list[int], st: Settings, host: str) -> dict[str, Any]:
+async def _main(peers: list[int], st: Settings, host: str, out: str) -> dict[str, Any]:
     raise_fd_limit()
     t0 = time.perf_counter()
     load0 = list(os.getloadavg())
@@ -106,6 +107,7 @@ async def _main(peers: list[int], st: Settings, host: str) -> dict[str, Any]:
     }
     res.update(await _fleet_phases(peers, st, host))
     res["churn"] = None
+    write_json(out, {**res, "partial": "the churn is running"}, indent=1)  # kept should the churn not end
     if st.churn > 0:
         console.note(f"registration churn: {st.churn} endpoints, at most {st.churn_alive} alive ...")
         res["churn"] = await churn(host, st, st.processes)
@@ -124,10 +126,22 @@ def run_scale(ns: argparse.Namespace) -> int:
         print("benchmarks scale: --processes must be >= 1", file=sys.stderr)
         return 2
     st = _settings(ns)
-    res = asyncio.run(_main(peers, st, ns.host))
+    out = ns.out or options.default_out("scale")
+    # the library's own warnings (a churned endpoint seen again, peers declared dead in the storm: thousands
+    # of lines) go to the log with the engines' and the workers' lines, not to the console
+    lib = logging.getLogger("aiotransfer")
+    handler = logging.StreamHandler(os.fdopen(os.dup(2), "w", buffering=1))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    lib.addHandler(handler)
+    lib.propagate = False
+    try:
+        res = asyncio.run(_main(peers, st, ns.host, out))
+    finally:
+        lib.removeHandler(handler)
+        lib.propagate = True
+        handler.close()
     res["summary"] = report.summary(res)
     res["targets"] = report.targets(res)
-    out = ns.out or options.default_out("scale")
     write_json(out, res, indent=1)
     md = os.path.splitext(out)[0] + ".md"
     with open(md, "w") as fh:

@@ -8,6 +8,8 @@ suite per subcommand (:data:`benchmarks.cli.SUITES`):
 * ``lifecycle``  -- abort -> ``released()`` latency (:mod:`benchmarks.lifecycle`)
 * ``handshake``  -- the prefill's loop lag while a decode's Mooncake handshake hangs
   (:mod:`benchmarks.handshake`, with the hanging listener of :mod:`benchmarks.hostile`)
+* ``scale``      -- one prefill and a fleet of N decodes: idle cost per peer, per-room CPU, loop lag with every
+  room open, a restart storm, a registration churn (:mod:`benchmarks.scale`)
 * ``streaming``  -- layer streaming's exposed transfer time (:mod:`benchmarks.streaming`)
 * ``conversion`` -- page-size and layout conversion against plain staging (:mod:`benchmarks.conversion`)
 * ``vllm``       -- PD through real vLLM engines (:mod:`benchmarks.vllm_pd`, harness in :mod:`benchmarks.vllm`;

@@ -39,6 +39,9 @@ SUITES: dict[str, Suite] = {
     "lifecycle": Suite("benchmarks.lifecycle", "run_lifecycle", "abort -> released() latency"),
     "handshake": Suite("benchmarks.handshake", "run_handshake",
                        "the prefill's loop lag while a decode's Mooncake handshake hangs"),
+    "scale": Suite("benchmarks.scale.run", "run_scale",
+                   "one prefill and a fleet of decodes: idle cost per peer, loop lag with every room open, "
+                   "a restart storm, a registration churn"),
     "streaming": Suite("benchmarks.streaming", "run_streaming", "layer streaming's exposed transfer time"),
     "conversion": Suite("benchmarks.conversion", "run_conversion",
                         "page-size and layout conversion against plain staging"),

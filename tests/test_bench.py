@@ -497,3 +497,58 @@ def test_the_stage_budget_says_miss_for_a_stage_over_it() -> None:
     assert "done -> end" not in verdicts  # the caller's own resumption is not budgeted
     lines = floor_report.verdicts({"engines": {"mooncake_tcp": {"phases": {"floor": floor}}}})
     assert sum(line.startswith("MISS") for line in lines) == 3 and len(lines) == len(verdicts)
+
+
+# ----------------------------------------------------------------------------------------------------
+# python -m benchmarks scale
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(240)
+def test_scale_suite_tiny(tmp_path: Path) -> None:
+    """One prefill, decodes in two processes: every room at every level succeeds with the right bytes, the
+    storm fails exactly the rooms of the killed decodes, and the churn's endpoints are all accepted."""
+    out = tmp_path / "scale.json"
+    env = {**os.environ, "MC_LOG_LEVEL": "ERROR"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "scale", "--peers", "1,4", "--processes", "2",
+                           "--churn", "20", "--churn-alive", "4", "--idle", "0.5", "--hold", "2.2",
+                           "--min-rooms", "8", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=230, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert {"suite", "settings", "baseline", "levels", "storm", "churn", "summary", "targets", "machine"} <= set(res)
+    assert [lv["peers"] for lv in res["levels"]] == [1, 4]
+    for lv in res["levels"]:
+        assert lv["rooms_failed"] == 0, lv["errors"]
+        assert lv["per_room"]["rooms"] >= 8 and lv["per_room"]["loop_cpu_us"] > 0 and "loop_cpu_net_us" in lv["per_room"]
+        assert lv["held"]["rooms"] == lv["peers"] and lv["held"]["samples"] > 0 and lv["held"]["max_ms"] >= 0
+        assert lv["idle"]["rss_kib"] > 0 and lv["idle"]["fds"] > 0
+        assert lv["registrations"]["decode_peers"] == lv["peers"]
+    s = res["storm"]
+    assert s["decodes_killed"] == 2 and s["killed_rooms"]["failed"] == 2
+    assert s["surviving_rooms"]["rooms"] == 2 and s["surviving_rooms"]["failed"] == 0
+    assert s["new_decodes"]["decodes"] == 2 and s["new_decodes"]["failed"] == 0
+    c = res["churn"]
+    assert c["accepted"] == c["endpoints"] == 20 and c["failed"] == 0 and c["alive_at_once"] == 4
+    assert c["registrations_peak"]["decode_peers"] >= 4
+    assert {t["status"] for t in res["targets"]} <= {"PASS", "MISS"}
+    assert "| decodes |" in (tmp_path / "scale.md").read_text()
+
+
+def test_scale_targets_compare_the_top_level_with_eight_peers() -> None:
+    from benchmarks.scale import report as scale_report
+
+    def lv(n: int, us: float, p99: float, mx: float, failed: int = 0) -> dict[str, Any]:
+        return {"peers": n, "per_room": {"loop_cpu_us": us}, "rooms_failed": failed,
+                "held": {"p99_ms": p99, "max_ms": mx}}
+
+    churn = {"endpoints": 5000, "alive_at_once": 200, "accepted": 4096,
+             "registrations_peak": {"decode_peers": 4096, "registrations": 380}}
+    res: dict[str, Any] = {"levels": [lv(1, 900, 1, 2), lv(8, 300, 1, 2), lv(1000, 350, 19.9, 50)], "churn": churn}
+    rows = {r["target"]: r for r in scale_report.targets(res)}
+    assert rows["per-room loop CPU <= 1.2x that at N = 8"]["status"] == "PASS"
+    assert rows["held rooms: loop lag p99 <= 20 ms"]["status"] == "PASS"
+    assert rows["held rooms: loop lag max <= 50 ms"]["at"] == "N = 1000"
+    assert rows["churn: every endpoint accepted"]["status"] == "MISS"
+    assert rows["churn: registrations held <= 2x alive"]["status"] == "PASS"  # the dedicated count wins
+    res["levels"][-1] = lv(1000, 361, 20.1, 51, failed=1)
+    rows = {r["target"]: r for r in scale_report.targets(res)}
+    assert {rows[k]["status"] for k in rows if not k.startswith("churn")} == {"MISS"}

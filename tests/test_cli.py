@@ -231,7 +231,7 @@ def test_benchmarks_lists_every_suite_and_each_suite_has_its_entry_point() -> No
         assert name in proc.stdout
         module = importlib.import_module(suite.module)
         assert callable(module.add_arguments) and callable(getattr(module, suite.entry)), name
-    assert {"figures", "full", "lifecycle", "handshake", "streaming", "conversion", "vllm", "sglang",
+    assert {"figures", "full", "lifecycle", "handshake", "scale", "streaming", "conversion", "vllm", "sglang",
             "device"} == set(SUITES)
     bad = _run("nope", timeout=60, module="benchmarks")
     assert bad.returncode == 2 and "invalid choice" in bad.stderr

@@ -9,6 +9,7 @@ import asyncio
 import socket
 from typing import Any
 
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -89,7 +90,7 @@ async def test_every_kind_of_answer_to_an_unread_endpoint_is_capped() -> None:
         await _room_still_moves(dec, dst, pre, src)
 
 
-async def test_answers_waiting_for_many_endpoints_are_capped_in_all() -> None:
+async def test_answers_waiting_for_many_endpoints_are_capped_in_all(monkeypatch: pytest.MonkeyPatch) -> None:
     """3,000 Pings in the names of 3,000 endpoints, while no answer can leave at once and each waits out
     its bound (every queue full): at most ``ANSWERS_TOTAL`` wait in tasks, the rest are dropped."""
     names = [f"tcp://127.0.0.{2 + i // 1000}:{20_000 + i % 1000}" for i in range(3000)]
@@ -102,14 +103,12 @@ async def test_answers_waiting_for_many_endpoints_are_capped_in_all() -> None:
             raise TransferTimeout("the peer's queue stayed full")
 
         tasks = len(pre._ctx._tasks)
-        saved = control.try_send, control.send
-        control.try_send, control.send = (lambda *a, **k: False), stuck
-        try:
+        with monkeypatch.context() as patch:
+            patch.setattr(control, "try_send", lambda *a, **k: False)
+            patch.setattr(control, "send", stuck)
             await _flood(pre.endpoint, flood)
             await _settled(pre, 3000 - ANSWERS_TOTAL)
             assert len(pre._ctx._tasks) <= tasks + ANSWERS_TOTAL
-        finally:
-            control.try_send, control.send = saved
         await wait_until(lambda: len(pre._ctx._tasks) <= tasks + 2, timeout=20)  # the waits end with their bound
         await _room_still_moves(dec, dst, pre, src)
 

@@ -138,7 +138,7 @@ async def test_evicted_sockets_never_drop_what_they_queued() -> None:
 def _failing(plane: ControlPlane, kind: type, times: int = 1) -> list[str]:
     """Make ``plane``'s next ``times`` sends of a ``kind`` message fail as libzmq fails one when the process is out
     of sockets; returns where they were going."""
-    send, failed = plane.send, list[str]()
+    send, try_send, failed = plane.send, plane.try_send, list[str]()
 
     async def wrapper(endpoint: str, msg: Message, **kw: Any) -> None:
         if isinstance(msg, kind) and len(failed) < times:
@@ -146,7 +146,14 @@ def _failing(plane: ControlPlane, kind: type, times: int = 1) -> list[str]:
             raise PeerError(f"cannot send to {endpoint}: Too many open files")
         await send(endpoint, msg, **kw)
 
+    def at_once(endpoint: str, msg: Message, **kw: Any) -> bool:
+        # out of sockets, no socket can be had without waiting either: the message goes the ordinary way
+        if isinstance(msg, kind) and len(failed) < times:
+            return False
+        return try_send(endpoint, msg, **kw)
+
     plane.send = wrapper  # type: ignore[method-assign]
+    plane.try_send = at_once  # type: ignore[method-assign]
     return failed
 
 

@@ -298,7 +298,7 @@ def test_floor_phase_tiny_on_mooncake(tmp_path: Path) -> None:
     for v in fl["sizes"].values():
         assert v["raw"]["n"] == v["room"]["n"] == v["room_traced"]["n"] == reps
         assert v["floor_p50_us"] == pytest.approx(fl["zmq_rtt"]["p50_us"] + v["raw"]["p50_us"], abs=0.02)
-        assert v["ratio_p50"] == pytest.approx(v["room"]["p50_us"] / v["floor_p50_us"], rel=0.01)
+        assert v["ratio_p50"] == pytest.approx(v["room"]["p50_us"] / v["floor_p50_us"], rel=0.01, abs=0.005)  # 2 decimals
         st = v["stages"]
         assert st["rooms"] == st["complete"] == reps  # the library's marks fire on the path while tracing is on
         assert [(r["from"], r["to"]) for r in st["path"]] == [(a, b) for a, b, _, _ in PATH]

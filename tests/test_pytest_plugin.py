@@ -37,15 +37,17 @@ def test_the_fabric_is_the_tests_own(memory_fabric):
     assert current_fabric() is memory_fabric
 
 
-@pytest.fixture
-def kv_pair_options():
-    from aiotransfer.testing.pytest_plugin import KVPairOptions
+class TestOtherShapes:
+    @pytest.fixture
+    def kv_pair_options(self):
+        from aiotransfer.testing.pytest_plugin import KVPairOptions
 
-    return KVPairOptions(buffers=4, pages=8, page_bytes=64)
+        return KVPairOptions(buffers=4, pages=8, page_bytes=64)
 
-
-async def test_the_options_fixture_shapes_the_pair(kv_pair):
-    assert len(kv_pair.decode_kv) == 4 and kv_pair.decode_kv[0].shape == (8, 64)
+    async def test_the_options_fixture_shapes_the_pair(self, kv_pair):
+        assert len(kv_pair.decode_kv) == 4 and kv_pair.decode_kv[0].shape == (8, 64)
+        await kv_pair.move(room=1, src=[7], dst=[0])
+        assert kv_pair.landed([0], [7])
 '''
 
 STRICT = '''
@@ -71,7 +73,7 @@ def test_the_plugin_is_registered_for_pytest() -> None:
     assert plugins.get("aiotransfer") == "aiotransfer.testing.pytest_plugin"
 
 
-@pytest.mark.parametrize(("source", "ini", "passed"), [(AUTO, "asyncio_mode = auto\n", 5),
+@pytest.mark.parametrize(("source", "ini", "passed"), [(AUTO, "asyncio_mode = auto\n", 4),
                                                        (STRICT, "asyncio_mode = strict\n", 1)],
                          ids=["asyncio-auto", "asyncio-strict"])
 def test_a_users_tests_run_on_the_shipped_fixtures(tmp_path: Path, source: str, ini: str, passed: int) -> None:

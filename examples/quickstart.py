@@ -45,7 +45,7 @@ async def prefill() -> int:
             await tx.send_kv(SRC[:4], last=False)  # first chunk
             await tx.send_kv(SRC[4:])  # last chunk (last=True by default): returns once Success is sent
             # No tx.done() needed: nothing else (aux, state) was declared, so the last chunk concluded the room.
-        print(f"prefill: {tx!r}")
+        print(f"prefill: {tx!r}", flush=True)
         await asyncio.to_thread(decode.join, 30)  # keep the manager up until decode is finished
     return decode.exitcode if decode.exitcode is not None else 1
 
@@ -56,14 +56,14 @@ async def decode(prefill_endpoint: str) -> bool:
         async with mgr.receiver(room=ROOM, peer=prefill_endpoint) as rx:
             await rx.send_metadata(DST)  # where the KV must land
             await rx.done(timeout=30)  # raises TransferFailed(reason) or TransferTimeout
-        print(f"decode:  {rx!r}")
+        print(f"decode:  {rx!r}", flush=True)
     expected = prefill_cache()
     return all(np.array_equal(kv[b][DST], expected[b][SRC]) for b in range(BUFFERS))
 
 
 def decode_process(prefill_endpoint: str) -> None:
     ok = asyncio.run(decode(prefill_endpoint))
-    print("decode:  bytes match" if ok else "decode:  BYTES DIFFER")
+    print("decode:  bytes match" if ok else "decode:  BYTES DIFFER", flush=True)
     sys.exit(0 if ok else 1)
 
 

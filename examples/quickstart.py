@@ -45,8 +45,8 @@ async def prefill() -> int:
             await tx.send_kv(SRC[:4], last=False)  # first chunk
             await tx.send_kv(SRC[4:])  # last chunk (last=True by default): returns once Success is sent
             # No tx.done() needed: nothing else (aux, state) was declared, so the last chunk concluded the room.
-        print(f"prefill: {tx!r}", flush=True)
         await asyncio.to_thread(decode.join, 30)  # keep the manager up until decode is finished
+        print(f"prefill: {tx!r}", flush=True)  # once decode has printed: the two share the terminal
     return decode.exitcode if decode.exitcode is not None else 1
 
 
